@@ -1,0 +1,54 @@
+"""Model parameters as typed pytrees (flax.struct dataclasses), never dicts.
+
+Layout (heads are an explicit axis everywhere, so sharding over heads is a layout change):
+  embed       f[vocab, hidden]
+  layers      LayerParams, every leaf stacked with a leading `num_layers` axis:
+    attn_norm f[L, hidden]
+    wq        f[L, hidden, num_heads, head_dim]
+    wk        f[L, hidden, num_kv_heads, head_dim]
+    wv        f[L, hidden, num_kv_heads, head_dim]
+    wo        f[L, num_heads, head_dim, hidden]
+    mlp_norm  f[L, hidden]
+    w_gate    f[L, hidden, intermediate]
+    w_up      f[L, hidden, intermediate]
+    w_down    f[L, intermediate, hidden]
+  final_norm  f[hidden]
+  lm_head     f[hidden, vocab], or None when the embeddings are tied (logits = h @ embed.T)
+
+q/k projections are in HF's (rotate-half) RoPE convention: llama.cpp's interleaved permutation
+is undone by the loader.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class LayerParams:
+    attn_norm: jax.Array
+    wq: jax.Array
+    wk: jax.Array
+    wv: jax.Array
+    wo: jax.Array
+    mlp_norm: jax.Array
+    w_gate: jax.Array
+    w_up: jax.Array
+    w_down: jax.Array
+
+
+@struct.dataclass
+class LlamaParams:
+    embed: jax.Array
+    layers: LayerParams
+    final_norm: jax.Array
+    lm_head: Optional[jax.Array] = None
+
+
+def cast_params(params: LlamaParams, dtype) -> LlamaParams:
+    """Returns `params` with every floating leaf cast to `dtype`."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
