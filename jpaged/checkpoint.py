@@ -1,0 +1,81 @@
+"""Converted checkpoints: a `LoadedModel` saved with orbax, so later loads skip GGUF parsing
+and dequantization.
+
+Directory layout (the directory is created by `save` and must not exist yet):
+  jpaged.json   {"format": "jpaged-checkpoint", "version": 1, "config": ModelConfig fields, "source": path}
+  params/       the `LlamaParams` pytree, orbax StandardCheckpointer, dtype as saved
+  tokenizer/    `tokenizer.save_pretrained` (tokenizer.json, chat template, ...)
+`load` rebuilds the pytree structure from the config alone (shapes are a function of it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from jpaged.config import ModelConfig
+from jpaged.loader import LoadedModel
+from jpaged.params import LayerParams, LlamaParams, cast_params
+
+FORMAT, VERSION = "jpaged-checkpoint", 1
+MANIFEST = "jpaged.json"
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """True when `path` is a directory written by `save`."""
+    manifest = pathlib.Path(path) / MANIFEST
+    return manifest.is_file() and json.loads(manifest.read_text()).get("format") == FORMAT
+
+
+def save(loaded: LoadedModel, directory: str | os.PathLike) -> pathlib.Path:
+    """Writes `loaded` to `directory` (which must not exist) and returns its absolute path."""
+    import orbax.checkpoint as ocp
+
+    directory = pathlib.Path(directory).absolute()
+    directory.mkdir(parents=True, exist_ok=False)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(directory / "params", loaded.params)
+    loaded.tokenizer.save_pretrained(directory / "tokenizer")
+    config = dataclasses.asdict(loaded.config)
+    manifest = {"format": FORMAT, "version": VERSION, "config": config, "source": str(loaded.path)}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return directory
+
+
+def load(directory: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
+    """Reads a directory written by `save`; params are cast to `dtype`."""
+    import orbax.checkpoint as ocp
+    import transformers
+
+    directory = pathlib.Path(directory).absolute()
+    if not is_checkpoint(directory):
+        raise ValueError(f"{directory}: not a jpaged checkpoint (no {MANIFEST})")
+    manifest = json.loads((directory / MANIFEST).read_text())
+    if manifest["version"] != VERSION:
+        raise ValueError(f"{directory}: checkpoint version {manifest['version']}, expected {VERSION}")
+    fields = manifest["config"]
+    config = ModelConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
+    with ocp.StandardCheckpointer() as checkpointer:
+        saved = checkpointer.metadata(directory / "params")
+        saved = getattr(saved, "item_metadata", saved)  # orbax versions differ here
+        target = _abstract_params(config, jax.tree.leaves(saved)[0].dtype)
+        params = checkpointer.restore(directory / "params", target)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory / "tokenizer")
+    return LoadedModel(config, cast_params(params, dtype), tokenizer, directory)
+
+
+def _abstract_params(c: ModelConfig, dtype) -> LlamaParams:
+    """`LlamaParams` of `jax.ShapeDtypeStruct`s, shapes as documented in `params.py`."""
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    L, h, i = c.num_layers, c.hidden_size, c.intermediate_size
+    layers = LayerParams(
+        attn_norm=s(L, h), wq=s(L, h, c.num_heads, c.head_dim), wk=s(L, h, c.num_kv_heads, c.head_dim),
+        wv=s(L, h, c.num_kv_heads, c.head_dim), wo=s(L, c.num_heads, c.head_dim, h), mlp_norm=s(L, h),
+        w_gate=s(L, h, i), w_up=s(L, h, i), w_down=s(L, i, h))
+    return LlamaParams(embed=s(c.vocab_size, h), layers=layers, final_norm=s(h),
+                       lm_head=None if c.tie_word_embeddings else s(h, c.vocab_size))

@@ -1,0 +1,207 @@
+"""The loader against HF transformers: config, every weight (layout and q/k permutation), HF
+checkpoint directories, bad paths."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jpaged import checkpoint, loader
+from jpaged.config import ModelConfig
+
+
+def expected_params(sd: dict, c: ModelConfig) -> dict[str, np.ndarray]:
+    """A HF state dict in the layout of params.py, written out leaf by leaf (flattened names)."""
+    sd = {k: v.float().numpy() for k, v in sd.items()}
+    layer = lambda i, name: sd[f"model.layers.{i}.{name}.weight"]  # noqa: E731
+    stack = lambda f: np.stack([f(i) for i in range(c.num_layers)])  # noqa: E731
+    h, hd = c.hidden_size, c.head_dim
+    out = {
+        "embed": sd["model.embed_tokens.weight"],
+        "final_norm": sd["model.norm.weight"],
+        "layers.attn_norm": stack(lambda i: layer(i, "input_layernorm")),
+        "layers.mlp_norm": stack(lambda i: layer(i, "post_attention_layernorm")),
+        "layers.wq": stack(lambda i: layer(i, "self_attn.q_proj").T.reshape(h, c.num_heads, hd)),
+        "layers.wk": stack(lambda i: layer(i, "self_attn.k_proj").T.reshape(h, c.num_kv_heads, hd)),
+        "layers.wv": stack(lambda i: layer(i, "self_attn.v_proj").T.reshape(h, c.num_kv_heads, hd)),
+        "layers.wo": stack(lambda i: layer(i, "self_attn.o_proj").T.reshape(c.num_heads, hd, h)),
+        "layers.w_gate": stack(lambda i: layer(i, "mlp.gate_proj").T),
+        "layers.w_up": stack(lambda i: layer(i, "mlp.up_proj").T),
+        "layers.w_down": stack(lambda i: layer(i, "mlp.down_proj").T),
+    }
+    if not c.tie_word_embeddings:
+        out["lm_head"] = sd["lm_head.weight"].T
+    return out
+
+
+def flat_params(params) -> dict[str, np.ndarray]:
+    return {jax.tree_util.keystr(k, simple=True, separator="."): np.asarray(v, np.float32)
+            for k, v in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def assert_close(x: np.ndarray, ref: np.ndarray, atol: float, name: str):
+    """max |x - ref| <= atol (a cheaper assert_allclose for the 135M-parameter model)."""
+    assert x.shape == ref.shape, (name, x.shape, ref.shape)
+    diff = float(np.max(np.abs(x - ref)))
+    assert diff <= atol, f"{name}: max abs diff {diff} > {atol}"
+
+
+def assert_params_match(loaded: loader.LoadedModel, hf_model, atol=1e-6):
+    """Every leaf equals the HF weights (layout conversion), and each projection computes what
+    the HF module computes on a random input (pins which axis is heads, in, out)."""
+    c, p = loaded.config, loaded.params
+    ours, ref = flat_params(p), expected_params(hf_model.state_dict(), c)
+    assert sorted(ours) == sorted(ref)
+    for name in ref:
+        assert_close(ours[name], ref[name], atol, name)
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(c.hidden_size).astype(np.float32)
+    i = c.num_layers - 1
+    block = hf_model.model.layers[i]
+    with torch.no_grad():
+        run = lambda module, v: module(torch.from_numpy(v)).numpy()  # noqa: E731
+        np.testing.assert_allclose(np.einsum("d,dnk->nk", x, np.asarray(p.layers.wq[i], np.float32)),
+                                   run(block.self_attn.q_proj, x).reshape(c.num_heads, c.head_dim), atol=1e-3)
+        np.testing.assert_allclose(np.einsum("d,dnk->nk", x, np.asarray(p.layers.wk[i], np.float32)),
+                                   run(block.self_attn.k_proj, x).reshape(c.num_kv_heads, c.head_dim), atol=1e-3)
+        heads = rng.standard_normal((c.num_heads, c.head_dim)).astype(np.float32)
+        np.testing.assert_allclose(np.einsum("nk,nkd->d", heads, np.asarray(p.layers.wo[i], np.float32)),
+                                   run(block.self_attn.o_proj, heads.reshape(-1)), atol=1e-3)
+        hidden_mlp = x @ np.asarray(p.layers.w_gate[i], np.float32)
+        np.testing.assert_allclose(hidden_mlp, run(block.mlp.gate_proj, x), atol=1e-3)
+        np.testing.assert_allclose(hidden_mlp @ np.asarray(p.layers.w_down[i], np.float32),
+                                   run(block.mlp.down_proj, hidden_mlp), atol=1e-2)
+        head = p.embed.T if p.lm_head is None else p.lm_head
+        np.testing.assert_allclose(x @ np.asarray(head, np.float32), run(hf_model.lm_head, x), atol=1e-3)
+
+
+def assert_config_matches(c: ModelConfig, hf_config, generation_config):
+    rope = getattr(hf_config, "rope_parameters", None) or {"rope_theta": hf_config.rope_theta}
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (
+        hf_config.hidden_size, hf_config.num_hidden_layers, hf_config.num_attention_heads,
+        hf_config.num_key_value_heads, hf_config.head_dim)
+    assert (c.intermediate_size, c.vocab_size, c.tie_word_embeddings, c.max_position_embeddings) == (
+        hf_config.intermediate_size, hf_config.vocab_size, hf_config.tie_word_embeddings,
+        hf_config.max_position_embeddings)
+    assert c.rope_theta == rope["rope_theta"]
+    assert c.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps, rel=1e-7)
+    assert c.bos_token_id == hf_config.bos_token_id
+    eos = generation_config.eos_token_id
+    assert set(np.atleast_1d(eos).tolist()) <= set(c.eos_token_ids)
+
+
+# ---------------------------------------------------------------- the default model (GGUF)
+
+def test_default_model_config_matches_hf(default_model, hf_default_model):
+    c = default_model.config
+    assert_config_matches(c, hf_default_model.config, hf_default_model.generation_config)
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
+    assert c.eos_token_ids == (hf_default_model.generation_config.eos_token_id,)  # <|im_end|> is the GGUF eos
+    assert default_model.path == loader.default_model_path()
+
+
+def test_default_model_params_match_hf(default_model, hf_default_model):
+    assert default_model.params.lm_head is None
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(default_model.params))
+    assert_params_match(default_model, hf_default_model)
+
+
+def test_default_model_tokenizer_chat_template(default_model):
+    tok = default_model.tokenizer
+    assert isinstance(tok, transformers.PreTrainedTokenizerBase)
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert "<|im_start|>user\nhi<|im_end|>\n" in text
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert ids.count(im_end) == 2 and im_end in default_model.config.eos_token_ids
+
+
+def test_checkpoint_roundtrip(default_model, tmp_path):
+    path = checkpoint.save(default_model, tmp_path / "ckpt")
+    again = loader.load_model(path, dtype=jnp.bfloat16)
+    assert again.config == default_model.config and again.path == path
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(again.params))
+    ref = flat_params(default_model.params)
+    for name, x in flat_params(again.params).items():  # float32 -> bfloat16 rounds to nearest even
+        assert np.array_equal(x, ref[name].astype(jnp.bfloat16).astype(np.float32)), name
+    chat = [{"role": "user", "content": "hi"}]
+    assert again.tokenizer.apply_chat_template(chat) == default_model.tokenizer.apply_chat_template(chat)
+
+
+# ---------------------------------------------------------------- HF checkpoint directories
+
+@pytest.mark.parametrize("tied, shard, torch_dtype", [
+    (False, None, torch.float32), (True, None, torch.float32), (False, "2MB", torch.bfloat16)],
+    ids=["untied", "tied", "untied-sharded-bf16"])
+def test_hf_directory_loads(default_model, tmp_path, tied, shard, torch_dtype):
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=default_model.config.vocab_size, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=50000.0,
+        rms_norm_eps=1e-5, max_position_embeddings=512, tie_word_embeddings=tied,
+        bos_token_id=1, eos_token_id=2)
+    model = transformers.LlamaForCausalLM(hf_config).to(torch_dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # norms start at 1: randomise everything so nothing matches by luck
+            p.normal_()
+    model.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    default_model.tokenizer.save_pretrained(tmp_path)
+    assert (len(list(tmp_path.glob("*.safetensors"))) > 1) == bool(shard)
+
+    loaded = loader.load_model(tmp_path)
+    assert_config_matches(loaded.config, model.config, model.generation_config)
+    assert loaded.config.tie_word_embeddings == tied and (loaded.params.lm_head is None) == tied
+    assert loaded.tokenizer.chat_template is not None
+    assert_params_match(loaded, model.float(), atol=0)
+
+
+def test_hf_directory_without_tokenizer(tmp_path):
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="tokenizer") as e:
+        loader.load_model(tmp_path)
+    assert str(tmp_path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_hf_directory_rejects_other_architectures(tmp_path):
+    transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="model_type 'gpt2'.*expected 'llama'") as e:
+        loader.load_model(tmp_path)
+    assert str(tmp_path) in str(e.value)
+
+
+# ---------------------------------------------------------------- bad paths
+
+@pytest.mark.parametrize("kind", ["missing", "empty_dir", "text_file", "bad_gguf"])
+def test_bad_paths(tmp_path, kind):
+    path = {"missing": tmp_path / "nope", "empty_dir": tmp_path, "text_file": tmp_path / "notes.txt",
+            "bad_gguf": tmp_path / "model.gguf"}[kind]
+    if kind in ("text_file", "bad_gguf"):
+        path.write_text("not a model\n")
+    with pytest.raises(ValueError) as e:
+        loader.load_model(str(path))
+    message = str(e.value)
+    assert str(path) in message and "\n" not in message
+    if kind != "bad_gguf":
+        assert "expected a .gguf file or a directory with config.json" in message
+
+
+def test_missing_default_model(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == loader.DEFAULT_MODEL_PACKAGE else real(name, *a))
+    for call in (loader.default_model_path, loader.load_model):
+        with pytest.raises(ValueError, match="not installed") as e:
+            call()
+        assert loader.DEFAULT_MODEL_INSTALL in str(e.value)
