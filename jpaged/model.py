@@ -1,0 +1,107 @@
+"""The Llama decoder as pure functions over `LlamaParams`, reading and writing a paged `KVCache`.
+
+`forward(params, cache, inputs, config=, backend=) -> (cache, hidden)` runs every layer in one
+`lax.scan` over the stacked layer parameters. The K/V pools ride in the scan *carry* (never as
+scanned inputs/outputs, which would copy the whole pool every step) and are updated in place at
+the traced layer index: with the cache donated, a step writes only its new tokens' K/V.
+
+Math follows HF transformers' `LlamaForCausalLM`: RMSNorm (computed in float32), rotate-half RoPE,
+grouped-query attention, SwiGLU MLP, tied or untied LM head.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jpaged.config import ModelConfig
+from jpaged.kv_cache import KVCache
+from jpaged.params import LlamaParams
+
+
+@struct.dataclass
+class ModelInputs:
+    """One step's batch, padded to a shape bucket. Padded rows and tokens point at the null block.
+
+    token_ids     i32[B, T]  new tokens (T = 1 for decode)
+    positions     i32[B, T]  their absolute positions in their sequence
+    slot_mapping  i32[B, T]  where each new token's K/V is written (padding: a slot of block 0)
+    block_tables  i32[B, M]  physical block ids in logical order (padding: 0)
+    context_lens  i32[B]     tokens of each sequence in the cache after this step (padding rows: 0)
+    query_lens    i32[B]     valid new tokens per row (logits are taken at index query_lens - 1)
+    """
+
+    token_ids: jax.Array
+    positions: jax.Array
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    context_lens: jax.Array
+    query_lens: jax.Array
+
+
+def rms_norm(x, weight, eps):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, positions, theta):
+    """Rotate-half RoPE. x f[B, T, heads, D], positions i32[B, T]."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cos = jnp.concatenate([jnp.cos(freqs)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(freqs)] * 2, axis=-1)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+
+
+def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config: ModelConfig, backend):
+    """Runs the decoder on `inputs`, writing their K/V into `cache`. Returns (cache, hidden f[B, T, hidden])."""
+    batch, q_len = inputs.token_ids.shape
+    scale = config.head_dim ** -0.5
+    x = params.embed[inputs.token_ids]
+    flat_slots = inputs.slot_mapping.reshape(-1)
+
+    def layer(carry, layer_inputs):
+        x, k_pool, v_pool = carry
+        p, layer_id = layer_inputs
+        h = rms_norm(x, p.attn_norm, config.rms_norm_eps)
+        q = jnp.einsum("bth,hnd->btnd", h, p.wq)
+        k = jnp.einsum("bth,hnd->btnd", h, p.wk)
+        v = jnp.einsum("bth,hnd->btnd", h, p.wv)
+        q = rope(q, inputs.positions, config.rope_theta)
+        k = rope(k, inputs.positions, config.rope_theta)
+        k_pool, v_pool = backend.write_kv(
+            k_pool, v_pool, layer_id,
+            k.reshape(batch * q_len, *k.shape[2:]), v.reshape(batch * q_len, *v.shape[2:]), flat_slots)
+        attn = backend.attend(q, k_pool, v_pool, layer_id, inputs.block_tables, inputs.context_lens,
+                              inputs.positions, scale)
+        x = x + jnp.einsum("btnd,ndh->bth", attn, p.wo)
+        h = rms_norm(x, p.mlp_norm, config.rms_norm_eps)
+        gate = jnp.einsum("bth,hi->bti", h, p.w_gate)
+        up = jnp.einsum("bth,hi->bti", h, p.w_up)
+        x = x + jnp.einsum("bti,ih->bth", jax.nn.silu(gate) * up, p.w_down)
+        return (x, k_pool, v_pool), None
+
+    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+    (x, k_pool, v_pool), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (params.layers, layer_ids))
+    x = rms_norm(x, params.final_norm, config.rms_norm_eps)
+    return KVCache(k=k_pool, v=v_pool), x
+
+
+def compute_logits(params: LlamaParams, hidden) -> jax.Array:
+    """hidden f[..., hidden] -> float32 logits f[..., vocab]."""
+    if params.lm_head is None:
+        logits = jnp.einsum("...h,vh->...v", hidden, params.embed)
+    else:
+        logits = jnp.einsum("...h,hv->...v", hidden, params.lm_head)
+    return logits.astype(jnp.float32)
+
+
+def last_token_hidden(hidden, query_lens):
+    """hidden f[B, T, H] -> f[B, H] at each row's last valid new token."""
+    index = jnp.maximum(query_lens - 1, 0)
+    return jnp.take_along_axis(hidden, index[:, None, None], axis=1)[:, 0]

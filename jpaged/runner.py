@@ -1,0 +1,193 @@
+"""The device side of a step: pads the scheduler's rows into shape buckets, runs the jitted
+`prefill_step` / `decode_step`, samples, and applies the block operations (copy-on-write, swap).
+
+Step functions are pure, `step(params, kv_cache, inputs) -> (kv_cache, logits)`, jitted with the
+cache donated, so a step writes only its new tokens' K/V into the pool. Every distinct padded shape
+is compiled ahead of time once (`jit(...).lower(...).compile()`), so compilations are counted and
+their time kept out of throughput figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged.config import ModelConfig
+from jpaged.kv_cache import KVCache
+from jpaged.model import ModelInputs, compute_logits, forward, last_token_hidden
+from jpaged.params import LlamaParams
+from jpaged.sampler import SamplingInputs, sample
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    n = max(n, minimum)
+    return 1 << (n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One sequence's part of a step: compute `token_ids` at positions start.. and write them to `slots`."""
+
+    token_ids: Seq[int]
+    start_position: int
+    slots: Seq[int]
+    block_table: Seq[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleRow:
+    """One token to draw: from logits row `row`, with these settings."""
+
+    row: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    sample_index: int
+    step: int
+
+
+def _step(params, cache, inputs, *, config, backend):
+    cache, hidden = forward(params, cache, inputs, config=config, backend=backend)
+    return cache, compute_logits(params, last_token_hidden(hidden, inputs.query_lens))
+
+
+def _copy_blocks(cache, pairs, *, backend):
+    k, v = backend.copy_blocks(cache.k, cache.v, pairs)
+    return KVCache(k=k, v=v)
+
+
+def _write_blocks(cache, block_ids, k_blocks, v_blocks):
+    return KVCache(k=cache.k.at[:, block_ids].set(k_blocks), v=cache.v.at[:, block_ids].set(v_blocks))
+
+
+class ModelRunner:
+    """Holds the parameters and the KV cache on the device; turns rows into padded step inputs.
+
+    Shape buckets: batch rows and block-table widths are powers of two; prefill lengths are powers
+    of two from 16. `num_compilations` counts every executable built (steps, sampler, block ops).
+    """
+
+    def __init__(self, config: ModelConfig, params: LlamaParams, *, num_blocks: int, block_size: int,
+                 dtype=jnp.float32, backend, num_cpu_blocks: int = 0, cache_sharding=None):
+        self.config, self.params, self.backend = config, params, backend
+        self.block_size = block_size
+        self.cache = KVCache.create(config, num_blocks, block_size, dtype, sharding=cache_sharding)
+        cpu_shape = (config.num_layers, num_cpu_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.cpu_k = np.zeros(cpu_shape, np.dtype(dtype))
+        self.cpu_v = np.zeros(cpu_shape, np.dtype(dtype))
+        step = functools.partial(_step, config=config, backend=backend)
+        self._jits = {
+            "prefill_step": jax.jit(step, donate_argnums=(1,)),
+            "decode_step": jax.jit(step, donate_argnums=(1,)),
+            "copy_blocks": jax.jit(functools.partial(_copy_blocks, backend=backend), donate_argnums=(0,)),
+            "write_blocks": jax.jit(_write_blocks, donate_argnums=(0,)),
+            "sample": sample,
+        }
+        self._executables: dict = {}
+        self.compile_seconds = 0.0
+
+    @property
+    def num_compilations(self) -> int:
+        return len(self._executables)
+
+    def _run(self, name: str, *args, **static):
+        key = (name, tuple(static.items()),
+               tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args) if hasattr(x, "shape")))
+        executable = self._executables.get(key)
+        if executable is None:
+            t0 = time.perf_counter()
+            executable = self._jits[name].lower(*args, **static).compile()
+            self.compile_seconds += time.perf_counter() - t0
+            self._executables[key] = executable
+        return executable(*args)
+
+    # ---- model steps -------------------------------------------------------------------------
+
+    def make_inputs(self, rows: Seq[Row], *, decode: bool) -> ModelInputs:
+        """Pads `rows` to a bucket: padded tokens write to slot 0 (null block), padded rows have no context."""
+        num_rows = bucket(len(rows))
+        q_len = 1 if decode else bucket(max(len(r.token_ids) for r in rows), 16)
+        width = bucket(max(len(r.block_table) for r in rows), 4)
+        token_ids = np.zeros((num_rows, q_len), np.int32)
+        positions = np.zeros((num_rows, q_len), np.int32)
+        slots = np.zeros((num_rows, q_len), np.int32)
+        tables = np.zeros((num_rows, width), np.int32)
+        context_lens = np.zeros(num_rows, np.int32)
+        query_lens = np.zeros(num_rows, np.int32)
+        for i, r in enumerate(rows):
+            n = len(r.token_ids)
+            if decode and n != 1:
+                raise ValueError(f"a decode row computes exactly one token, got {n}")
+            token_ids[i, :n] = r.token_ids
+            positions[i, :n] = np.arange(r.start_position, r.start_position + n)
+            slots[i, :n] = r.slots
+            tables[i, :len(r.block_table)] = r.block_table
+            context_lens[i] = r.start_position + n
+            query_lens[i] = n
+        return ModelInputs(token_ids=token_ids, positions=positions, slot_mapping=slots, block_tables=tables,
+                           context_lens=context_lens, query_lens=query_lens)
+
+    def execute(self, rows: Seq[Row], *, decode: bool) -> jax.Array:
+        """Runs one step over `rows`; returns the logits f32[bucket(len(rows)), vocab] (on the device)."""
+        inputs = self.make_inputs(rows, decode=decode)
+        name = "decode_step" if decode else "prefill_step"
+        self.cache, logits = self._run(name, self.params, self.cache, inputs)
+        return logits
+
+    def sample(self, logits: jax.Array, rows: Seq[SampleRow], num_top: int) -> dict[str, np.ndarray]:
+        """Draws one token per sample row. Returns numpy arrays token_ids, logprobs, top_ids, top_logprobs."""
+        n = bucket(len(rows))
+        dtypes = {"temperature": np.float32, "top_p": np.float32, "seed": np.uint32}
+        columns = {f.name: np.zeros(n, dtypes.get(f.name, np.int32)) for f in dataclasses.fields(SampleRow)}
+        columns["top_p"][:] = 1.0
+        for i, r in enumerate(rows):
+            for name in columns:
+                columns[name][i] = getattr(r, name)
+        params = SamplingInputs(temperature=columns["temperature"], top_k=columns["top_k"], top_p=columns["top_p"],
+                                seed=columns["seed"], sample_index=columns["sample_index"],
+                                step=columns["step"])
+        use_filter = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0) for r in rows)
+        out = self._run("sample", logits, columns["row"], params, num_top=bucket(num_top), use_filter=use_filter)
+        out = jax.device_get(out)
+        k = len(rows)
+        return {"token_ids": out.token_ids[:k], "logprobs": out.logprobs[:k],
+                "top_ids": out.top_ids[:k], "top_logprobs": out.top_logprobs[:k]}
+
+    # ---- block operations --------------------------------------------------------------------
+
+    def copy_blocks(self, pairs: Seq[tuple[int, int]]) -> None:
+        """All of a step's copy-on-write copies in one call (padded with (0, 0) null copies)."""
+        if not pairs:
+            return
+        padded = np.zeros((bucket(len(pairs)), 2), np.int32)
+        padded[:len(pairs)] = pairs
+        self.cache = self._run("copy_blocks", self.cache, padded)
+
+    def swap_out(self, mapping: Seq[tuple[int, int]]) -> None:
+        """Copies device blocks to CPU blocks: mapping of (device_block_id, cpu_block_id)."""
+        if not mapping:
+            return
+        device_ids, cpu_ids = (np.asarray(x) for x in zip(*mapping))
+        self.cpu_k[:, cpu_ids] = np.asarray(self.cache.k[:, device_ids])
+        self.cpu_v[:, cpu_ids] = np.asarray(self.cache.v[:, device_ids])
+
+    def swap_in(self, mapping: Seq[tuple[int, int]]) -> None:
+        """Copies CPU blocks back to device blocks: mapping of (cpu_block_id, device_block_id)."""
+        if not mapping:
+            return
+        n = bucket(len(mapping))
+        cpu_ids = np.zeros(n, np.int32)
+        device_ids = np.zeros(n, np.int32)
+        cpu_ids[:len(mapping)], device_ids[:len(mapping)] = zip(*mapping)
+        k = self.cpu_k[:, cpu_ids]
+        v = self.cpu_v[:, cpu_ids]
+        # padded entries write CPU block 0's content into the null block, which nothing reads unmasked
+        self.cache = self._run("write_blocks", self.cache, device_ids, k, v)

@@ -1,0 +1,79 @@
+"""`SamplingParams`: what to generate for one request, validated on construction (vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Defaults follow vLLM: temperature 1.0, top_p 1.0, top_k 0 (off), max_tokens 16.
+
+    n: independent samples of the prompt (their prompt blocks are shared, refcount n).
+    beam_width: > 1 switches to beam search (deterministic; temperature/top-k/top-p ignored);
+      `length_penalty` and `early_stopping` follow HF transformers' beam search.
+    seed: makes the request reproducible whatever shares its batch; None draws one from the engine.
+    stop: strings that end a sample (not included in the text); stop_token_ids likewise.
+    logprobs: return the top-`logprobs` log-probabilities for every generated token.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
+               f"seed must be None or an integer in [0, 2**32), got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+               f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
+        _check(isinstance(self.beam_width, int) and self.beam_width >= 1, f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        _check(self.beam_width == 1 or self.n == 1, "use either n > 1 (sampling) or beam_width > 1 (beam search), not both")
+        _check(self.early_stopping in (True, False, "never"), f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width > 1
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """How many top log-probabilities the sampler must return for this request."""
+        need = 2 * self.beam_width if self.use_beam_search else 1
+        return max(need, self.logprobs or 0)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def as_list(sampling_params, num_prompts: int) -> Sequence[SamplingParams]:
+    """One SamplingParams per prompt: a single one is shared; a list must match the prompts."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    sampling_params = list(sampling_params)
+    if len(sampling_params) != num_prompts:
+        raise ValueError(f"got {len(sampling_params)} SamplingParams for {num_prompts} prompts: pass one, or one per prompt")
+    return sampling_params
