@@ -1,0 +1,87 @@
+"""`LLM`: the offline, notebook-friendly entry point (vLLM's `LLM` names).
+
+    from jpaged import LLM, SamplingParams
+    llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Optional
+
+from tqdm.auto import tqdm
+
+from jpaged.engine import EngineConfig, LLMEngine
+from jpaged.outputs import RequestOutput
+from jpaged.sampling_params import SamplingParams, as_list
+
+
+class LLM:
+    """Loads a model (default: the embedded SmolLM2-135M-Instruct) and a paged KV cache.
+
+    `num_blocks` counts every block of the pool, the null block included; with `num_blocks=None`
+    the pool is sized from `kv_cache_memory`. Other keyword arguments are `EngineConfig` fields.
+    """
+
+    def __init__(self, model: Optional[str] = None, block_size: int = 16, num_blocks: Optional[int] = None,
+                 kv_cache_memory: str | int = "1GiB", dtype: str = "float32", **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, block_size=block_size, num_blocks=num_blocks,
+                                             kv_cache_memory=kv_cache_memory, dtype=dtype, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._request_counter = itertools.count()
+        self.last_run: dict = {}
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates for each prompt (text, or a list of token ids). Every prompt is validated before
+        any runs: a bad one raises ValueError and nothing is queued. Outputs come in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = as_list(sampling_params, len(prompts))
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                _, ids = self.engine.tokenize(prompt)
+                self.engine.check_request(ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = [f"{next(self._request_counter)}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params):
+            self.engine.add_request(request_id, prompt, p)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Applies the chat template to one conversation (a list of {"role", "content"} dicts) or to a
+        list of conversations, then generates."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template: use generate() with plain prompts")
+        prompts = [self.apply_chat_template(conversation, add_generation_prompt) for conversation in messages]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation, add_generation_prompt: bool = True) -> str:
+        if not conversation or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conversation):
+            raise ValueError("a conversation is a non-empty list of {'role': ..., 'content': ...} messages")
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        finished: dict[str, RequestOutput] = {}
+        compile_before = engine.runner.compile_seconds
+        start = time.perf_counter()
+        with tqdm(total=len(request_ids), desc="requests", disable=not use_tqdm or len(request_ids) < 2,
+                  leave=False) as bar:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        compile_s = engine.runner.compile_seconds - compile_before
+        self.last_run = {"elapsed_s": time.perf_counter() - start - compile_s, "compile_s": compile_s}
+        return [finished[i] for i in request_ids]

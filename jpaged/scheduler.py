@@ -1,0 +1,285 @@
+"""The scheduler: FCFS, iteration-level batching, preemption by recompute or swap (no JAX).
+
+Every step is either a *prefill* step (newly admitted or resumed-by-recompute groups: all their
+uncached tokens) or a *decode* step (one token for every live sequence of every running group).
+As in vLLM, prefill goes first whenever a waiting group can be admitted and nothing is swapped out.
+
+When the KV blocks run out during decode, the latest-arrived running group is preempted, whole:
+by recompute (its blocks are freed; it goes back to the front of the waiting queue and
+re-prefills prompt + generated tokens) or by swap (its blocks move to the CPU pool; it comes back
+before any new admission). A group that cannot grow even when running alone is finished with
+`finish_reason="length"` rather than preempted forever.
+
+The scheduler owns the `BlockManager` snapshot (replaced, never mutated) and the queues. It hands
+the device side `Row`s (numpy-friendly lists) and the `DeviceOps` a step implies.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import time
+from typing import Optional, Sequence as Seq
+
+from jpaged.block_manager import BlockManager, DeviceOps
+from jpaged.sequence import GroupStatus, Sequence, SequenceGroup
+
+logger = logging.getLogger("jpaged")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    preemption_mode: str = "recompute"  # or "swap"
+    watermark: float = 0.01  # fraction of blocks kept free at admission, against immediate preemption
+
+    def __post_init__(self):
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', not {self.preemption_mode!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One sequence's part of a step: compute `token_ids` at positions `start_position`.. into `slots`."""
+
+    token_ids: Seq[int]
+    start_position: int
+    slots: Seq[int]
+    block_table: Seq[int]
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What one step runs. `row_seqs[i]` are the sequences whose next token is drawn from row i's logits
+    (several for a fresh group of n samples, which shares one prompt prefill)."""
+
+    is_decode: bool
+    rows: list[Row]
+    row_seqs: list[list[Sequence]]
+    groups: list[SequenceGroup]
+    ops: DeviceOps
+    preempted: list[SequenceGroup]
+    finished: list[SequenceGroup]  # groups the scheduler ended (could not grow alone)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.rows)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, config: SchedulerConfig):
+        self.block_manager = block_manager
+        self.config = config
+        self.waiting: collections.deque[SequenceGroup] = collections.deque()
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
+
+    # ---- queues ------------------------------------------------------------------------------
+
+    def add(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def abort(self, request_id: str) -> Optional[SequenceGroup]:
+        """Removes the request from whichever queue holds it and returns all its blocks."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in list(queue):
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    self._release(group)
+                    group.status = GroupStatus.FINISHED
+                    for seq in group.live_seqs:
+                        seq.finish_reason = "abort"
+                    return group
+        return None
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Releases the blocks of one sequence (finished sample, pruned beam)."""
+        if self.block_manager.has(seq.seq_id):
+            self.block_manager = self.block_manager.free([seq.seq_id])
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        self.block_manager = self.block_manager.fork(parent.seq_id, child.seq_id)
+
+    def finish_group(self, group: SequenceGroup) -> None:
+        """Called by the engine when a running group has no live sequence left."""
+        self._release(group)
+        self.running.remove(group)
+        group.status = GroupStatus.FINISHED
+        group.finished_time = time.monotonic()
+
+    def _release(self, group: SequenceGroup) -> None:
+        held = [s.seq_id for s in group.seqs if self.block_manager.has(s.seq_id)]
+        if held:
+            self.block_manager = self.block_manager.free(held)
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        if not self.swapped:
+            output = self._schedule_prefill()
+            if output.rows:
+                return output
+        return self._schedule_decode()
+
+    def _num_live_running(self) -> int:
+        return sum(len(g.live_seqs) for g in self.running)
+
+    def _schedule_prefill(self) -> SchedulerOutput:
+        rows, row_seqs, groups = [], [], []
+        num_tokens, num_seqs = 0, self._num_live_running()
+        watermark = math.ceil(self.config.watermark * (self.block_manager.num_blocks - 1))
+        while self.waiting:
+            group = self.waiting[0]
+            seqs = group.live_seqs
+            fresh = all(not s.output_token_ids for s in seqs)  # fresh groups share one prompt prefill
+            to_prefill = seqs[:1] if fresh else seqs
+            tokens = sum(s.num_tokens for s in to_prefill)
+            if num_seqs + len(seqs) > self.config.max_num_seqs:
+                break
+            if groups and num_tokens + tokens > self.config.max_num_batched_tokens:
+                break
+            idle = not (self.running or groups)
+            need = sum(math.ceil(s.num_tokens / self.block_manager.block_size) for s in to_prefill)
+            if self.block_manager.num_free_blocks - need < (0 if idle else watermark):
+                break
+            self.waiting.popleft()
+            cached = []
+            for seq in to_prefill:
+                self.block_manager, num_cached = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+                cached.append(num_cached)
+            if fresh:
+                for seq in seqs[1:]:
+                    self.block_manager = self.block_manager.fork(seqs[0].seq_id, seq.seq_id)
+            group.num_cached_tokens = cached[0]
+            self.num_prompt_tokens += sum(s.num_tokens for s in to_prefill)
+            self.num_cached_prompt_tokens += sum(cached)
+            for seq, num_cached in zip(to_prefill, cached):
+                rows.append((seq, num_cached))
+                row_seqs.append(seqs if fresh else [seq])
+            self._start(group)
+            groups.append(group)
+            num_tokens += tokens
+            num_seqs += len(seqs)
+        built = [self._row(seq, start, seq.num_tokens) for seq, start in rows]
+        return SchedulerOutput(False, built, row_seqs, groups, DeviceOps(), [], [])
+
+    def _schedule_decode(self) -> SchedulerOutput:
+        ops, preempted, finished = DeviceOps(), [], []
+        running = sorted(self.running, key=lambda g: g.arrival_time)
+        scheduled: list[SequenceGroup] = []
+        free = self.block_manager.num_free_blocks
+        while running:
+            group = running.pop(0)
+            need = self._append_demand(group)
+            while need > free and running:
+                victim = running.pop()  # the latest arrival
+                ops += self._preempt(victim)
+                preempted.append(victim)
+                free = self.block_manager.num_free_blocks - self._demand(scheduled)
+            if need > free:
+                if scheduled:
+                    ops += self._preempt(group)
+                    preempted.append(group)
+                else:
+                    logger.warning("request %s cannot grow even when running alone (KV pool of %d blocks): "
+                                   "finishing it with finish_reason='length'", group.request_id,
+                                   self.block_manager.num_blocks)
+                    for seq in group.live_seqs:
+                        seq.finish_reason = "length"
+                        self.free_seq(seq)
+                    self.finish_group(group)
+                    finished.append(group)
+                continue
+            scheduled.append(group)
+            free -= need
+        if not preempted:
+            resumed, swap_ops = self._swap_in(free)
+            scheduled += resumed
+            ops += swap_ops
+        appends = [(s.seq_id, s.last_token_id) for g in scheduled for s in g.live_seqs]
+        if appends:
+            self.block_manager, append_ops = self.block_manager.append(appends)
+            ops += append_ops
+        rows, row_seqs = [], []
+        for group in scheduled:
+            for seq in group.live_seqs:
+                rows.append(self._row(seq, seq.num_tokens - 1, seq.num_tokens))
+                row_seqs.append([seq])
+        return SchedulerOutput(True, rows, row_seqs, scheduled, ops, preempted, finished)
+
+    def _swap_in(self, free: int) -> tuple[list[SequenceGroup], DeviceOps]:
+        """Brings swapped groups back (FCFS) while their blocks plus one more token each fit in `free`."""
+        resumed, ops = [], DeviceOps()
+        num_seqs = self._num_live_running()
+        for group in sorted(self.swapped, key=lambda g: g.arrival_time):
+            ids = [s.seq_id for s in group.live_seqs]
+            if num_seqs + len(ids) > self.config.max_num_seqs or not self.block_manager.can_swap_in(ids):
+                break
+            before = self.block_manager.num_free_blocks
+            candidate, swap_ops = self.block_manager.swap_in(ids)
+            need = self._append_demand(group, candidate)
+            if candidate.num_free_blocks - need < 0 or before - candidate.num_free_blocks + need > free:
+                break
+            self.block_manager = candidate
+            free -= before - candidate.num_free_blocks + need
+            ops += swap_ops
+            self.swapped.remove(group)
+            self.running.append(group)
+            group.status = GroupStatus.RUNNING
+            resumed.append(group)
+            num_seqs += len(ids)
+        return resumed, ops
+
+    def _preempt(self, group: SequenceGroup) -> DeviceOps:
+        self.running.remove(group)
+        group.num_preemptions += 1
+        self.num_preemptions += 1
+        ids = [s.seq_id for s in group.live_seqs]
+        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(ids):
+            self.block_manager, ops = self.block_manager.swap_out(ids)
+            group.status = GroupStatus.SWAPPED
+            self.swapped.append(group)
+            return ops
+        self._release(group)
+        group.status = GroupStatus.WAITING
+        self.waiting.appendleft(group)
+        return DeviceOps()
+
+    def _start(self, group: SequenceGroup) -> None:
+        group.status = GroupStatus.RUNNING
+        if group.first_scheduled_time is None:
+            group.first_scheduled_time = time.monotonic()
+        self.running.append(group)
+
+    # ---- block accounting --------------------------------------------------------------------
+
+    def _append_demand(self, group: SequenceGroup, bm: Optional[BlockManager] = None) -> int:
+        """Blocks one more token for every live sequence may take (a new block, or a copy-on-write)."""
+        bm = bm or self.block_manager
+        need = 0
+        for seq in group.live_seqs:
+            n = bm.num_tokens(seq.seq_id)
+            if n % bm.block_size == 0 or bm.refcount(bm.block_table(seq.seq_id)[-1]) > 1:
+                need += 1
+        return need
+
+    def _demand(self, groups: Seq[SequenceGroup]) -> int:
+        return sum(self._append_demand(g) for g in groups)
+
+    def _row(self, seq: Sequence, start: int, end: int) -> Row:
+        return Row(token_ids=seq.token_ids[start:end], start_position=start,
+                   slots=self.block_manager.slot_mapping(seq.seq_id, start, end),
+                   block_table=self.block_manager.block_table(seq.seq_id))

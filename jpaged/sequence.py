@@ -1,0 +1,98 @@
+"""Sequences and sequence groups: the host-side record of each request (no JAX).
+
+One request is one `SequenceGroup`: its n parallel samples, or its beam candidates. A group is
+scheduled, preempted and resumed as a whole. The scheduler owns the groups and is the only code
+that changes their status; the engine appends sampled tokens through `Sequence.append_token`.
+
+KV invariant: a RUNNING sequence has every token but the last in the KV cache; its last token is
+written by the next decode step. A WAITING sequence has nothing cached (recompute re-prefills
+prompt + generated tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any, Optional
+
+from jpaged.sampling_params import SamplingParams
+
+
+class GroupStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One sample (or beam candidate): prompt + generated tokens, and the text detokenized so far."""
+
+    seq_id: int
+    sample_index: int
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    finish_reason: Optional[str] = None
+    text: str = ""
+    # incremental detokenization offsets into output_token_ids
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self.prompt_token_ids) + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append_token(self, token_id: int, logprob: float, top_logprobs: Optional[dict[int, float]] = None) -> None:
+        self.output_token_ids.append(int(token_id))
+        self.cumulative_logprob += float(logprob)
+        if top_logprobs is not None:
+            self.output_logprobs.append(top_logprobs)
+
+    def fork(self, seq_id: int) -> "Sequence":
+        """A copy sharing this sequence's history under a new id (beam search)."""
+        return dataclasses.replace(self, seq_id=seq_id, output_token_ids=list(self.output_token_ids),
+                                   output_logprobs=list(self.output_logprobs))
+
+
+@dataclasses.dataclass
+class SequenceGroup:
+    """A request: its sampling parameters, live sequences, finished sequences and timestamps."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    seqs: list[Sequence]
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    status: GroupStatus = GroupStatus.WAITING
+    beam_state: Any = None  # beam_search.BeamState for beam-search groups
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == GroupStatus.FINISHED
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]
