@@ -25,6 +25,7 @@ from jpaged.block_manager import BlockManager
 from jpaged.detokenizer import append_text, find_stop, stream_safe_length
 from jpaged.kv_cache import bytes_per_block, num_blocks_for_memory, parse_memory_size
 from jpaged.loader import LoadedModel, load_model
+from jpaged.params import cast_params
 from jpaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jpaged.runner import ModelRunner, SampleRow
 from jpaged.sampling_params import SamplingParams
@@ -74,6 +75,8 @@ class LLMEngine:
         config = dataclasses.replace(config, **overrides)
         self.config = config
         dtype = DTYPES[config.dtype]
+        if loaded is not None and loaded.params.embed.dtype != dtype:
+            loaded = dataclasses.replace(loaded, params=cast_params(loaded.params, dtype))
         self.model = loaded if loaded is not None else load_model(config.model, dtype=dtype)
         self.tokenizer = self.model.tokenizer
         model_config = self.model.config
@@ -120,8 +123,11 @@ class LLMEngine:
 
     def tokenize(self, prompt) -> tuple[Optional[str], list[int]]:
         """A prompt is text or a list of token ids (vLLM's forms). Raises ValueError saying what to change."""
-        if isinstance(prompt, dict):
-            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+        if isinstance(prompt, dict):  # {"prompt": text, "prompt_token_ids": ids}: ids win, text is kept
+            text = prompt.get("prompt")
+            if "prompt_token_ids" not in prompt:
+                return self.tokenize(text)
+            return text, self.tokenize(list(prompt["prompt_token_ids"]))[1]
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("prompt is empty: give at least one non-blank character")

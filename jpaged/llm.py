@@ -15,6 +15,7 @@ from typing import Optional
 from tqdm.auto import tqdm
 
 from jpaged.engine import EngineConfig, LLMEngine
+from jpaged.loader import LoadedModel
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import SamplingParams, as_list
 
@@ -27,9 +28,11 @@ class LLM:
     """
 
     def __init__(self, model: Optional[str] = None, block_size: int = 16, num_blocks: Optional[int] = None,
-                 kv_cache_memory: str | int = "1GiB", dtype: str = "float32", **kwargs):
+                 kv_cache_memory: str | int = "1GiB", dtype: str = "float32", *,
+                 loaded: Optional[LoadedModel] = None, **kwargs):
+        """`loaded` reuses an already loaded model (e.g. one `load_model()` shared by several LLMs)."""
         self.engine = LLMEngine(EngineConfig(model=model, block_size=block_size, num_blocks=num_blocks,
-                                             kv_cache_memory=kv_cache_memory, dtype=dtype, **kwargs))
+                                             kv_cache_memory=kv_cache_memory, dtype=dtype, **kwargs), loaded=loaded)
         self.tokenizer = self.engine.tokenizer
         self._request_counter = itertools.count()
         self.last_run: dict = {}
@@ -37,8 +40,8 @@ class LLM:
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generates for each prompt (text, or a list of token ids). Every prompt is validated before
         any runs: a bad one raises ValueError and nothing is queued. Outputs come in input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = as_list(sampling_params, len(prompts))
@@ -61,8 +64,13 @@ class LLM:
             messages = [messages]
         if self.tokenizer.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template: use generate() with plain prompts")
-        prompts = [self.apply_chat_template(conversation, add_generation_prompt) for conversation in messages]
+        prompts = [self.chat_prompt(conversation, add_generation_prompt) for conversation in messages]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def chat_prompt(self, conversation, add_generation_prompt: bool = True) -> dict:
+        """The templated conversation as a prompt: its text, tokenized without adding special tokens again."""
+        text = self.apply_chat_template(conversation, add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
 
     def apply_chat_template(self, conversation, add_generation_prompt: bool = True) -> str:
         if not conversation or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conversation):

@@ -15,8 +15,10 @@ GGUF specifics (llama.cpp's `convert_hf_to_gguf.py` and HF's `modeling_gguf_pyto
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import json
 import os
 import pathlib
@@ -176,7 +178,8 @@ def _load_gguf(path: pathlib.Path, dtype) -> LoadedModel:
         raise ValueError(f"{path}: partial RoPE or value_length != key_length is not supported")
     tensor_names = {t.name for t in reader.tensors}
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with contextlib.redirect_stderr(io.StringIO()):  # HF prints a progress bar while it re-reads the file
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     config = ModelConfig(
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
         hidden_size=hidden,

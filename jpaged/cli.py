@@ -1,0 +1,162 @@
+"""`jpaged generate`: generate from the command line.
+
+One prompt streams its text as it is produced; several print each completion in input order;
+`--json` prints one JSON object per request and a final `{"summary": ...}` line. The summary goes
+to stderr otherwise. Bad input: a one-line `error: ...` on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jpaged", description="PagedAttention inference in JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions for prompts")
+    g.add_argument("prompts", nargs="*", metavar="PROMPT")
+    g.add_argument("--prompts-file", help="JSONL file with a 'prompt' field per line")
+    g.add_argument("--model", help="a .gguf file or a HF Llama directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--beam-width", type=int, default=1, help="beam search with this many beams")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks, null block included")
+    g.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size when --num-blocks is not given")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "xla"])
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    g.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU block pool for swapping")
+    g.add_argument("--enable-prefix-caching", action="store_true")
+    g.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as given")
+    g.add_argument("--json", action="store_true", help="one JSON object per request, then a summary line")
+    return parser
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file) as f:
+                for number, line in enumerate(f, 1):
+                    if line.strip():
+                        record = json.loads(line)
+                        if not isinstance(record, dict) or "prompt" not in record:
+                            raise ValueError(f"{args.prompts_file}:{number}: each line needs a 'prompt' field")
+                        prompts.append(record["prompt"])
+        except OSError as e:
+            raise ValueError(f"cannot read --prompts-file: {e.strerror}: {args.prompts_file}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{args.prompts_file}: not JSONL ({e.msg} at line {e.lineno})") from None
+    if not prompts:
+        raise ValueError("no prompt given: pass PROMPT arguments or --prompts-file FILE.jsonl")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"prompt {i} is empty: give at least one non-blank character")
+    return prompts
+
+
+def generate(args) -> int:
+    from jpaged.llm import LLM
+    from jpaged.sampling_params import SamplingParams
+
+    prompts = read_prompts(args)
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, beam_width=args.beam_width)
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
+              kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, attention_backend=args.attention_backend,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              preemption_mode=args.preemption_mode, swap_space=args.swap_space if args.preemption_mode == "swap" else 0.0,
+              enable_prefix_caching=args.enable_prefix_caching)
+    load_s = time.perf_counter() - t0
+    if not args.no_chat_template:
+        if llm.tokenizer.chat_template is None:
+            raise ValueError("this model has no chat template: pass --no-chat-template")
+        prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
+    engine = llm.engine
+    stream = len(prompts) == 1 and args.n == 1 and args.beam_width == 1 and not args.json
+    if stream:
+        outputs = [_stream(llm, prompts[0], params)]
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=not args.json and sys.stderr.isatty())
+    elapsed = llm.last_run["elapsed_s"]
+    stats = engine.stats()
+    output_tokens = sum(len(o.token_ids) for r in outputs for o in r.outputs)
+    summary = {
+        "num_requests": len(outputs), "output_tokens": output_tokens, "elapsed_s": round(elapsed, 3),
+        "output_tokens_per_s": round(output_tokens / elapsed, 2) if elapsed > 0 else None,
+        "num_blocks": engine.num_blocks, "block_size": args.block_size,
+        "peak_used_blocks": stats["peak_used_blocks"], "free_blocks_at_end": stats["num_free_blocks"],
+        "kv_utilization": round(stats["kv_utilization"], 4) if stats["kv_utilization"] is not None else None,
+        "num_preemptions": stats["num_preemptions"], "prefix_cache_hit_rate": round(stats["prefix_cache_hit_rate"], 4),
+        "num_compilations": stats["num_compilations"], "compile_s": round(llm.last_run["compile_s"], 3),
+        "load_s": round(load_s, 3),
+    }
+    if args.json:
+        for r in outputs:
+            print(json.dumps(r.to_json()))
+        print(json.dumps({"summary": summary}))
+    else:
+        if not stream:
+            for r in outputs:
+                for o in r.outputs:
+                    label = f"[{r.request_id}]" + (f"[{o.index}]" if len(r.outputs) > 1 else "")
+                    print(f"{label} {o.text}")
+        util = f"{summary['kv_utilization']:.1%}" if summary["kv_utilization"] is not None else "n/a"
+        print(f"{output_tokens} tokens in {elapsed:.2f}s ({summary['output_tokens_per_s']} tokens/s), "
+              f"KV blocks peak {summary['peak_used_blocks']}/{engine.num_blocks}, KV utilization {util}, "
+              f"preemptions {summary['num_preemptions']} (load {load_s:.1f}s, compile {summary['compile_s']:.1f}s)",
+              file=sys.stderr)
+    return 0
+
+
+def _stream(llm, prompt, params):
+    """Runs one request, printing its text as it grows; returns its final RequestOutput."""
+    from jpaged.outputs import RequestOutput  # noqa: F401  (type of the returned value)
+
+    engine = llm.engine
+    engine.add_request("0", prompt, params)
+    compile_before = engine.runner.compile_seconds
+    start = time.perf_counter()
+    printed, final = 0, None
+    while engine.has_unfinished():
+        for out in engine.step():
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+            if out.finished:
+                final = out
+    sys.stdout.write("\n")
+    compile_s = engine.runner.compile_seconds - compile_before
+    llm.last_run = {"elapsed_s": time.perf_counter() - start - compile_s, "compile_s": compile_s}
+    return final
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    try:
+        return generate(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
