@@ -1,0 +1,48 @@
+"""Pallas kernels for PagedAttention (Kwon et al., SOSP 2023, section 5.1), with references.
+
+The three fused kernels of the paper, each beside a plain-``jnp`` reference and behind a jitted
+wrapper that validates shapes once and takes ``interpret: bool`` (run the Pallas interpreter on
+a CPU instead of compiling for a GPU):
+
+* :func:`paged_attention` (:mod:`pallas_kernels.paged_attention`): decode attention that reads
+  K/V block by block through the block table inside the kernel; GQA groups share each K/V
+  load; exact online softmax masked by context length; optional split-K with a
+  log-sum-exp merge.
+* :func:`write_kv` (:mod:`pallas_kernels.cache_write`): fused reshape-and-block-write of a
+  step's new K/V into their slots, in place.
+* :func:`copy_blocks` (:mod:`pallas_kernels.block_copy`): every copy-on-write block copy of a
+  step, all layers, K and V, in one launch, in place.
+
+KV pool layout (shared with the engine): ``k_cache, v_cache: f[num_layers, num_blocks,
+block_size, num_kv_heads, head_dim]`` (or one layer, ``f[num_blocks, block_size, num_kv_heads,
+head_dim]``); ``slot = block_id * block_size + offset``; block 0 is the null block that padded
+block-table entries and padded tokens' slots point into. Kernels take the stacked pool and a
+(traced) ``layer`` index: slicing a layer out of the pool would copy it.
+
+Backend choice: the kernels are Triton-style Pallas (``pallas_call`` with a grid, whole-pool
+refs indexed dynamically through the block table inside the kernel, Triton compiler params).
+Reasons: on jax 0.10.2 (Python 3.11, the CPU machines) only such kernels run in interpret mode
+on a CPU - Mosaic GPU has no CPU interpreter there and its TMA copies fail under
+``interpret=True`` - so this is the only backend whose kernels are tested where the project is
+developed; and the same code compiles on jax 0.11.2 (Python 3.12, the GPU machines), where the
+Triton lowering still works though it is deprecated (from 0.11) in favour of Mosaic GPU, its
+successor. A Mosaic GPU port is the way forward once the project can test it. The code uses only
+APIs present in both releases; version differences are guarded in :mod:`pallas_kernels._compat`
+(``pl.load``/``pl.store`` are not used: refs are indexed).
+
+On a CPU, interpret mode is for correctness only; the engine's CPU fast path is an XLA gather
+implementation of the same attention.
+"""
+
+from pallas_kernels.block_copy import copy_blocks, copy_blocks_reference
+from pallas_kernels.cache_write import write_kv, write_kv_reference
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+
+__all__ = [
+    "copy_blocks",
+    "copy_blocks_reference",
+    "paged_attention",
+    "paged_attention_reference",
+    "write_kv",
+    "write_kv_reference",
+]

@@ -1,0 +1,377 @@
+"""Paged attention for decode (PagedAttention, section 4.1 / 5.1): one query token per sequence.
+
+Each sequence's K/V live in fixed-size blocks of a shared pool,
+``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``; its block table maps logical
+block ``i`` (tokens ``i*block_size ..``) to a physical block id. The kernel walks the block table
+itself and loads each K/V block straight from the pool: nothing is gathered into a contiguous
+copy first.
+
+Kernel design (Triton-style Pallas; one program per ``(sequence, kv_head, context split)``):
+
+* The GQA group: the ``q_per_kv`` query heads that share a KV head are one ``[rows, head_dim]``
+  tile (``rows`` = ``q_per_kv`` padded to a power of two >= 16, what Triton's ``tl.dot`` needs),
+  so each K/V block is loaded once per KV head, not once per query head.
+* A ``lax.fori_loop`` over the sequence's blocks, bounded by its context length (never by
+  ``max_blocks_per_seq``), ``blocks_per_iter`` blocks per iteration (a ``[blocks_per_iter *
+  block_size, head_dim]`` tile, fetched through the block table as a gather on the pool ref).
+* Scores by a matmul, then an online (streaming) softmax in float32: running max ``m``, running
+  denominator ``l``, unnormalised accumulator ``acc``. Tokens at or past the context length are
+  masked: their scores become ``-inf`` and their V rows are zeroed, so whatever the unused slots
+  and the null block hold (even NaN) cannot leak into the result.
+* Split-K: the block range is cut into ``num_splits`` static slices, one program each; the
+  wrapper merges the partial ``(acc, m, l)`` by log-sum-exp. Splits that start past a
+  sequence's context do no work.
+* Precision: float32 dots are 3xTF32 on the GPU (float32-level accuracy on tensor cores;
+  Triton's default for float32 would be plain TF32) and exact float32 in the interpreter. For
+  16-bit caches, ``q @ k.T`` is a 16-bit dot with float32 accumulation (exact products); the
+  probabilities ``p`` (float32) are split into ``hi + lo`` 16-bit halves and ``p @ v`` is two
+  16-bit dots with float32 accumulation, keeping ~16 bits of ``p`` (float32-level accuracy)
+  on tensor cores.
+
+A context length of 0 yields zeros (handy for padded batch rows); valid contexts are >= 1.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels._common import check_pool, describe, is_power_of_2, next_power_of_2, stacked
+
+# Triton's tl.dot needs every dimension >= 16.
+_MIN_DOT_DIM = 16
+# Programs to aim for when choosing the number of context splits (an H200 has 132 SMs).
+_TARGET_PROGRAMS = 256
+# A split gets at least this many loop iterations' worth of blocks.
+_MIN_ITERS_PER_SPLIT = 4
+# Tokens per loop iteration the default blocks_per_iter aims for.
+_TOKENS_PER_ITER = 64
+
+
+def _f32_dot_precision(interpret: bool):
+    """Precision of float32 dots. The Triton lowering maps DEFAULT to TF32 (10-bit mantissa);
+    HIGHEST lowers to an IEEE dot on CUDA cores, which spills at head_dim 128. On the GPU: 3xTF32
+    (tensor cores, float32-level accuracy, no spills in ptxas for sm_90a). The CPU interpreter
+    has no TF32: HIGHEST, exact float32."""
+    return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+def _kernel(
+    # inputs
+    layer_ref,  # i32[1]
+    block_tables_ref,  # i32[batch, num_splits * blocks_per_split]
+    context_lens_ref,  # i32[batch]
+    q_ref,  # [rows, head_dim] (this sequence and KV head)
+    k_ref,  # [num_layers, num_blocks, block_size, num_kv_heads, head_dim] (whole pool)
+    v_ref,  # same
+    # outputs
+    acc_ref,  # f32[rows, head_dim]
+    m_ref,  # f32[rows]
+    l_ref,  # f32[rows]
+    *,
+    scale: float,
+    blocks_per_iter: int,
+    blocks_per_split: int,
+    f32_dot,
+):
+    seq = pl.program_id(0)
+    kv_head = pl.program_id(1)
+    split = pl.program_id(2)
+    block_size = k_ref.shape[2]
+    rows, head_dim = q_ref.shape
+    tile = blocks_per_iter * block_size
+    kv_dtype = k_ref.dtype
+    exact_f32 = kv_dtype == jnp.float32
+
+    layer = layer_ref[0]
+    context_len = context_lens_ref[seq]
+    q = q_ref[...]  # [rows, head_dim]
+
+    first_block = split * blocks_per_split
+    num_ctx_blocks = (context_len + block_size - 1) // block_size
+    end_block = jnp.minimum(first_block + blocks_per_split, num_ctx_blocks)
+    num_iters = jnp.maximum(end_block - first_block + blocks_per_iter - 1, 0) // blocks_per_iter
+
+    def body(i, carry):
+        acc, m, l = carry
+        start = first_block + i * blocks_per_iter
+        if blocks_per_iter == 1:
+            block_id = block_tables_ref[seq, start]
+            k = k_ref[layer, block_id, :, kv_head, :]  # [block_size, head_dim]
+            v = v_ref[layer, block_id, :, kv_head, :]
+        else:
+            block_ids = block_tables_ref[seq, pl.ds(start, blocks_per_iter)]
+            k = k_ref[layer, block_ids, :, kv_head, :].reshape(tile, head_dim)
+            v = v_ref[layer, block_ids, :, kv_head, :].reshape(tile, head_dim)
+        positions = start * block_size + lax.broadcasted_iota(jnp.int32, (tile,), 0)
+        valid = positions < context_len  # [tile]
+
+        if q.dtype == kv_dtype:  # exact products, float32 accumulation
+            s = lax.dot_general(
+                q, k, (((1,), (1,)), ((), ())), precision=f32_dot if exact_f32 else None,
+                preferred_element_type=jnp.float32,
+            )  # [rows, tile]
+        else:  # e.g. float32 queries over a bfloat16 pool
+            s = lax.dot_general(
+                q.astype(jnp.float32), k.astype(jnp.float32), (((1,), (1,)), ((), ())),
+                precision=f32_dot, preferred_element_type=jnp.float32,
+            )
+        s = jnp.where(valid[None, :], s * scale, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)  # 0 on the first iteration (m = -inf, m_new finite)
+        p = jnp.exp(s - m_new[:, None])  # masked tokens: exp(-inf) = 0
+        l_new = alpha * l + jnp.sum(p, axis=1)
+        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # no NaN/inf from unused slots
+        if exact_f32:
+            pv = jnp.dot(
+                p, v.astype(jnp.float32), precision=f32_dot, preferred_element_type=jnp.float32
+            )
+        else:
+            p_hi = p.astype(kv_dtype)
+            p_lo = (p - p_hi.astype(jnp.float32)).astype(kv_dtype)
+            pv = jnp.dot(p_hi, v, preferred_element_type=jnp.float32) + jnp.dot(
+                p_lo, v, preferred_element_type=jnp.float32
+            )
+        acc_new = alpha[:, None] * acc + pv
+        return acc_new, m_new, l_new
+
+    acc0 = jnp.zeros((rows, head_dim), jnp.float32)
+    m0 = jnp.full((rows,), -jnp.inf, jnp.float32)
+    l0 = jnp.zeros((rows,), jnp.float32)
+    acc, m, l = lax.fori_loop(0, num_iters, body, (acc0, m0, l0))
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _default_blocks_per_iter(block_size: int, max_blocks_per_seq: int) -> int:
+    per_iter = max(1, _TOKENS_PER_ITER // block_size)
+    per_iter = min(per_iter, next_power_of_2(max_blocks_per_seq))
+    # The K tile must be >= 16 tokens for tl.dot.
+    return max(per_iter, next_power_of_2(-(-_MIN_DOT_DIM // block_size)))
+
+
+def _default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, per_iter: int) -> int:
+    wanted = -(-_TARGET_PROGRAMS // max(1, batch * num_kv_heads))
+    most = max(1, max_blocks // (_MIN_ITERS_PER_SPLIT * per_iter))
+    return max(1, min(wanted, most))
+
+
+def _validate(q, k_cache, v_cache, block_tables, context_lens, layer, blocks_per_iter, interpret):
+    what = "paged_attention"
+    check_pool(k_cache, v_cache, layer, what=what)
+    block_size, num_kv_heads, head_dim = k_cache.shape[-3:]
+    if q.ndim != 3:
+        raise ValueError(f"{what}: q must be [batch, num_heads, head_dim]; got q {describe(q)}")
+    batch, num_heads, q_head_dim = q.shape
+    if q_head_dim != head_dim:
+        raise ValueError(
+            f"{what}: head_dim of q {describe(q)} and k_cache {describe(k_cache)} differ"
+        )
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"{what}: q {describe(q)} must be floating point")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"{what}: num_heads of q {describe(q)} must be a multiple of num_kv_heads of "
+            f"k_cache {describe(k_cache)}"
+        )
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.dtype != jnp.int32:
+        raise ValueError(
+            f"{what}: block_tables must be i32[batch, max_blocks_per_seq] with the batch of q; "
+            f"got block_tables {describe(block_tables)} and q {describe(q)}"
+        )
+    if block_tables.shape[1] < 1:
+        raise ValueError(f"{what}: block_tables {describe(block_tables)} has no columns")
+    if context_lens.shape != (batch,) or context_lens.dtype != jnp.int32:
+        raise ValueError(
+            f"{what}: context_lens must be i32[batch] with the batch of q; got context_lens "
+            f"{describe(context_lens)} and q {describe(q)}"
+        )
+    # Triton tensors have power-of-two sizes.
+    if not is_power_of_2(head_dim) or not is_power_of_2(block_size):
+        raise ValueError(
+            f"{what}: head_dim and block_size must be powers of two (Triton tiles); got "
+            f"k_cache {describe(k_cache)}"
+        )
+    if blocks_per_iter is not None:
+        if not is_power_of_2(blocks_per_iter):
+            raise ValueError(f"{what}: blocks_per_iter={blocks_per_iter} must be a power of two")
+        if not interpret and blocks_per_iter * block_size < _MIN_DOT_DIM:
+            raise ValueError(
+                f"{what}: blocks_per_iter * block_size = {blocks_per_iter * block_size} must be "
+                f">= {_MIN_DOT_DIM} on the GPU (tl.dot); k_cache {describe(k_cache)}"
+            )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "interpret",
+        "blocks_per_iter",
+        "num_splits",
+        "num_warps",
+        "num_stages",
+    ),
+)
+def paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    *,
+    scale: float,
+    layer: jax.Array | int | None = None,
+    interpret: bool = False,
+    blocks_per_iter: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> jax.Array:
+    """Decode attention of one new query token per sequence over its paged K/V context.
+
+    Args:
+      q: ``f[batch, num_heads, head_dim]`` (f32, bf16 or f16), the new tokens' queries, NOT
+        pre-scaled. Query head ``i`` uses KV head ``i // (num_heads // num_kv_heads)``. Best in
+        the pool's dtype (a 16-bit dot); another dtype makes ``q @ k.T`` a float32 dot.
+      k_cache: ``f[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` with ``layer``,
+        or ``f[num_blocks, block_size, num_kv_heads, head_dim]`` without (f32, bf16 or f16).
+        ``head_dim`` and ``block_size`` are powers of two.
+      v_cache: same shape and dtype as ``k_cache``.
+      block_tables: ``i32[batch, max_blocks_per_seq]``, physical block ids in
+        ``[0, num_blocks)``; entries past a sequence's last block are never read (pad with the
+        null block 0).
+      context_lens: ``i32[batch]``, tokens of context per sequence (including the new token,
+        whose K/V must already be written); ``0 <= context_len <= max_blocks_per_seq *
+        block_size``. A length of 0 gives zeros.
+      scale: softmax scale (a Python float), usually ``head_dim ** -0.5``.
+      layer: ``i32[]`` (may be traced), the layer of a stacked pool. Not bounds-checked.
+      interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
+      blocks_per_iter: blocks per loop iteration (power of two); default: ~64 tokens.
+      num_splits: context splits (split-K); default: enough programs to fill the GPU.
+      num_warps, num_stages: Triton compiler parameters.
+
+    Returns:
+      ``f[batch, num_heads, head_dim]`` in the dtype of ``q``.
+    """
+    _validate(q, k_cache, v_cache, block_tables, context_lens, layer, blocks_per_iter, interpret)
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[-3], k_cache.shape[-2]
+    q_per_kv = num_heads // num_kv_heads
+    max_blocks = block_tables.shape[1]
+
+    per_iter = blocks_per_iter or _default_blocks_per_iter(block_size, max_blocks)
+    splits = num_splits or _default_num_splits(batch, num_kv_heads, max_blocks, per_iter)
+    splits = max(1, min(splits, -(-max_blocks // per_iter)))
+    blocks_per_split = -(-max_blocks // (splits * per_iter)) * per_iter
+    padded_blocks = splits * blocks_per_split
+    if padded_blocks > max_blocks:  # a small copy of the table, never of the pool
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_blocks - max_blocks)))
+
+    rows = max(_MIN_DOT_DIM, next_power_of_2(q_per_kv))
+    q4 = q.reshape(batch, num_kv_heads, q_per_kv, head_dim)
+    if rows != q_per_kv:
+        q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - q_per_kv), (0, 0)))
+
+    k5, layer_arr = stacked(k_cache, layer)
+    v5, _ = stacked(v_cache, layer)
+
+    kernel = functools.partial(
+        _kernel,
+        scale=float(scale),
+        blocks_per_iter=per_iter,
+        blocks_per_split=blocks_per_split,
+        f32_dot=_f32_dot_precision(interpret),
+    )
+    whole = _compat.WHOLE_ARRAY
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, splits),
+        in_specs=[
+            whole,  # layer
+            whole,  # block_tables
+            whole,  # context_lens
+            pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+            whole,  # k pool
+            whole,  # v pool
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (s, b, h, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (s, b, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
+        ],
+        compiler_params=_compat.compiler_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="paged_attention",
+    )(layer_arr, block_tables, context_lens, q4, k5, v5)
+
+    acc = acc[:, :, :, :q_per_kv]
+    m = m[:, :, :, :q_per_kv]
+    l = l[:, :, :, :q_per_kv]
+    out = _merge_splits(acc, m, l)
+    return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
+
+
+def _merge_splits(acc, m, l):
+    """Log-sum-exp merge of per-split ``(acc f32[S,...,D], m f32[S,...], l f32[S,...])``."""
+    m_max = jnp.max(m, axis=0)
+    m_max = jnp.where(jnp.isfinite(m_max), m_max, 0.0)  # all splits empty: context_len == 0
+    weight = jnp.exp(m - m_max[None])  # empty splits: exp(-inf) = 0
+    denom = jnp.sum(weight * l, axis=0)
+    numer = jnp.sum(weight[..., None] * acc, axis=0)
+    return numer / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def paged_attention_reference(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    *,
+    scale: float,
+    layer: jax.Array | int | None = None,
+) -> jax.Array:
+    """Plain-``jnp`` paged attention: gather each sequence's blocks, mask, softmax (float32).
+
+    Same arguments and result as :func:`paged_attention`. Gathers a contiguous copy of every
+    sequence's context, so it is for testing, not for serving.
+    """
+    check_pool(k_cache, v_cache, layer, what="paged_attention_reference")
+    batch, num_heads, head_dim = q.shape
+    if layer is not None:
+        k_cache = k_cache[layer]
+        v_cache = v_cache[layer]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    max_blocks = block_tables.shape[1]
+    q_per_kv = num_heads // num_kv_heads
+    seq_len = max_blocks * block_size
+
+    k = k_cache[block_tables].reshape(batch, seq_len, num_kv_heads, head_dim)
+    v = v_cache[block_tables].reshape(batch, seq_len, num_kv_heads, head_dim)
+    valid = jnp.arange(seq_len)[None, :] < context_lens[:, None]  # [batch, seq_len]
+    k = jnp.where(valid[:, :, None, None], k, 0).astype(jnp.float32)
+    v = jnp.where(valid[:, :, None, None], v, 0).astype(jnp.float32)
+    qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, q_per_kv, head_dim)
+    s = jnp.einsum("bhgd,bshd->bhgs", qg, k, precision=lax.Precision.HIGHEST) * scale
+    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    s_max = jnp.max(s, axis=-1, keepdims=True)
+    s_max = jnp.where(jnp.isfinite(s_max), s_max, 0.0)
+    p = jnp.exp(s - s_max)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bhgs,bshd->bhgd", p, v, precision=lax.Precision.HIGHEST)
+    return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
+

@@ -1,0 +1,51 @@
+"""The kernels' Triton IR compiles for an H200 (sm_90a) without spilling: a GPU-less check.
+
+Needs jax >= 0.11 (the GPU machines' release) and the upstream ``triton`` package, which is not a
+project dependency (``pip install triton`` in a Python 3.12 environment); skipped otherwise.
+See ``pallas_kernels/_triton_check.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import _compat, copy_blocks, paged_attention, write_kv
+
+pytest.importorskip("triton")
+if _compat.JAX_VERSION < (0, 11):
+    pytest.skip("the GPU machines run jax 0.11; its Triton IR is what matters", allow_module_level=True)
+
+from pallas_kernels import _triton_check  # noqa: E402
+
+spec = jax.ShapeDtypeStruct
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)])
+def test_paged_attention_compiles_for_sm90_without_spills(heads, kv_heads, head_dim, dtype):
+    pool = spec((30, 4096, 16, kv_heads, head_dim), dtype)
+    fn = functools.partial(paged_attention, scale=head_dim**-0.5)
+    [module] = _triton_check.triton_modules(
+        fn, spec((32, heads, head_dim), dtype), pool, pool, spec((32, 256), jnp.int32),
+        spec((32,), jnp.int32), layer=spec((), jnp.int32),
+    )
+    stats = _triton_check.compile_for_sm90(module)
+    assert stats["mma_instructions"] > 0, stats  # the dots run on tensor cores
+    assert stats.get("spill_bytes", 0) == 0, stats
+    assert stats["shared_bytes"] <= 227 * 1024, stats
+
+
+def test_write_and_copy_compile_for_sm90():
+    pool = spec((30, 4096, 16, 3, 64), jnp.bfloat16)
+    [write] = _triton_check.triton_modules(
+        write_kv, pool, pool, spec((64, 3, 64), jnp.bfloat16), spec((64, 3, 64), jnp.bfloat16),
+        spec((64,), jnp.int32), layer=spec((), jnp.int32),
+    )
+    [copy] = _triton_check.triton_modules(copy_blocks, pool, pool, spec((16, 2), jnp.int32))
+    for module in (write, copy):
+        stats = _triton_check.compile_for_sm90(module)
+        assert stats.get("spill_bytes", 0) == 0, stats
