@@ -1,0 +1,568 @@
+"""The KV block manager (PagedAttention, sections 4.2-4.5) as an immutable snapshot.
+
+A `BlockManager` is a value: `allocate`, `append`, `fork`, `free`, `swap_out` and `swap_in` return
+a new snapshot (plus the `DeviceOps` the device must run) and never mutate the old one, so a failed
+operation leaves its input untouched. Host-side only: no JAX here.
+
+Vocabulary (the paper's): the device pool holds `num_blocks` physical blocks of `block_size` token
+slots; a sequence's block table maps its logical blocks to physical block ids; slot =
+block_id * block_size + offset; a block's refcount is the number of block-table entries naming it.
+
+Invariants (`check_invariants` asserts them all):
+- Block 0 is the null block (padded block-table entries point at it): never allocated, freed or
+  refcounted; never in a free list or a block table.
+- Every other device block is exactly one of: used (refcount r > 0, named by exactly r entries of
+  running sequences' block tables), free (refcount 0, once in the free list) or, with prefix
+  caching, cached-free (refcount 0, in the prefix cache, once in the LRU evictable list). CPU blocks
+  are used by swapped-out sequences' tables the same way, or free.
+- A sequence of n tokens holds ceil(n / block_size) blocks. A shared block sits at the same logical
+  index, with the same number of filled slots, in every table that names it (so slots shared by
+  two sequences hold the same token prefix).
+- Prefix cache: block hash <-> block id is one-to-one, and only full blocks are cached.
+
+Orders (tests pin them): allocation pops the front of the free list; a freed block goes to its
+back. With prefix caching, uncached free blocks are used first, then cached-free blocks least
+recently freed first (their cache entries are dropped). `free` releases each sequence's blocks
+last block first (vLLM's order: a prefix's tail is evicted before its head).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
+
+NULL_BLOCK_ID = 0
+SeqId = Hashable
+# A full block's identity for prefix caching: (hash() of the parent block's BlockHash, or None for
+# the first block; the block's token ids). Keying on the token ids themselves means only a
+# collision of the 64-bit parent hash could alias two different prefixes.
+BlockHash = tuple
+
+
+class OutOfBlocksError(ValueError):
+    """Not enough free blocks for an operation (callers check `can_*` first)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceOps:
+    """Device work implied by block-manager operations. Apply in this order: swap_out, swap_in,
+    copy_pairs, then the step's K/V writes. That is correct as long as a step that swaps in does
+    not also swap out (the scheduler never swaps in while it preempts)."""
+
+    copy_pairs: tuple[tuple[int, int], ...] = ()  # copy-on-write: (src_block_id, dst_block_id)
+    swap_out: tuple[tuple[int, int], ...] = ()  # (device_block_id, cpu_block_id)
+    swap_in: tuple[tuple[int, int], ...] = ()  # (cpu_block_id, device_block_id)
+
+    def __add__(self, other: DeviceOps) -> DeviceOps:
+        return DeviceOps(self.copy_pairs + other.copy_pairs, self.swap_out + other.swap_out,
+                         self.swap_in + other.swap_in)
+
+    def __bool__(self) -> bool:
+        return bool(self.copy_pairs or self.swap_out or self.swap_in)
+
+
+class _Seq(NamedTuple):
+    block_ids: tuple[int, ...]  # block table: device ids if running, CPU ids if swapped out
+    num_tokens: int
+    swapped: bool = False
+    parent_hash: int | None = None  # prefix caching: hash() of the last full block's BlockHash
+    partial_token_ids: tuple[int, ...] = ()  # prefix caching: tokens in the partly filled last block
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class BlockManager:
+    """Snapshot of the device and CPU block pools and every sequence's block table; build one with
+    `create`. Its tables are persistent (see `_Table`): never mutated, shared between snapshots."""
+
+    num_blocks: int  # the whole device pool, null block included
+    block_size: int
+    num_cpu_blocks: int
+    enable_prefix_caching: bool
+    _seqs: tuple  # table: seq_id -> _Seq
+    _refcounts: tuple  # table: device block id -> refcount, for blocks in use only
+    _free: _Queue  # free uncached device blocks; the front is allocated next
+    _evictable: _Queue  # cached device blocks with refcount 0, least recently freed first
+    _cached: tuple  # table, the prefix cache: BlockHash -> device block id
+    _block_hashes: tuple  # table, its inverse: device block id -> BlockHash
+    _cpu_refcounts: tuple
+    _free_cpu: _Queue
+
+    @classmethod
+    def create(cls, num_blocks: int, block_size: int, *, num_cpu_blocks: int = 0,
+               enable_prefix_caching: bool = False,
+               free_block_ids: Sequence[int] | None = None) -> BlockManager:
+        """`free_block_ids`: the initial free-list order, a permutation of 1..num_blocks-1
+        (default ascending). CPU blocks are 0..num_cpu_blocks-1, ascending."""
+        if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
+            raise ValueError(f"bad pool: num_blocks={num_blocks}, block_size={block_size}, "
+                             f"num_cpu_blocks={num_cpu_blocks}")
+        ids = list(range(1, num_blocks) if free_block_ids is None else free_block_ids)
+        if sorted(ids) != list(range(1, num_blocks)):
+            raise ValueError(f"free_block_ids must be a permutation of 1..{num_blocks - 1} "
+                             f"(block {NULL_BLOCK_ID} is the null block)")
+        empty, cpu_empty = _empty_table(num_blocks), _empty_table(num_cpu_blocks)
+        return cls(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, empty, empty,
+                   _Queue.of(ids, empty), _Queue.of([], empty), empty, empty, cpu_empty,
+                   _Queue.of(range(num_cpu_blocks), cpu_empty))
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Free device blocks, cached-free (evictable) ones included."""
+        return self._free.size + self._evictable.size
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self._free_cpu.size
+
+    @property
+    def free_block_ids(self) -> tuple[int, ...]:
+        """Free device blocks in the order allocation takes them (O(num_blocks): for tests)."""
+        return self._free.to_tuple() + self._evictable.to_tuple()
+
+    @property
+    def free_cpu_block_ids(self) -> tuple[int, ...]:
+        return self._free_cpu.to_tuple()
+
+    @property
+    def seq_ids(self) -> tuple:
+        """Every sequence, running or swapped out, in no particular order."""
+        return tuple(seq_id for shard in self._seqs for seq_id in shard)
+
+    def has(self, seq_id: SeqId) -> bool:
+        return seq_id in _shard(self._seqs, seq_id)
+
+    def _seq(self, seq_id: SeqId, swapped: bool | None = None) -> _Seq:
+        return _checked(_shard(self._seqs, seq_id).get(seq_id), seq_id, swapped)
+
+    def block_table(self, seq_id: SeqId) -> tuple[int, ...]:
+        """Physical block ids in logical order (CPU block ids while swapped out)."""
+        return self._seq(seq_id).block_ids
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        return self._seq(seq_id).num_tokens
+
+    def is_swapped(self, seq_id: SeqId) -> bool:
+        return self._seq(seq_id).swapped
+
+    def slot(self, seq_id: SeqId, position: int) -> int:
+        return self.slot_mapping(seq_id, position, position + 1)[0]
+
+    def slot_mapping(self, seq_id: SeqId, start: int, end: int) -> list[int]:
+        """Device slots of positions [start, end) of a running sequence."""
+        seq, bs = self._seq(seq_id, swapped=False), self.block_size
+        if not 0 <= start <= end <= seq.num_tokens:
+            raise IndexError(f"positions [{start}, {end}) out of range for sequence {seq_id!r} "
+                             f"of {seq.num_tokens} tokens")
+        return [seq.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def refcount(self, block_id: int) -> int:
+        return _shard(self._refcounts, block_id).get(block_id, 0)
+
+    def cpu_refcount(self, cpu_block_id: int) -> int:
+        return _shard(self._cpu_refcounts, cpu_block_id).get(cpu_block_id, 0)
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether a device block is in the prefix cache (used or cached-free)."""
+        return block_id in _shard(self._block_hashes, block_id)
+
+    def can_allocate(self, num_tokens: int, *, reserve: int = 0, max_new_tokens: int | None = None) -> bool:
+        """Whether a new sequence of `num_tokens` tokens fits with `reserve` blocks still free after
+        it (the scheduler's watermark). Conservative: ignores prefix-cache hits, which can only
+        lower the need. `max_new_tokens` is ignored: paged allocation reserves nothing ahead (the
+        contiguous-reservation baselines in `reservation.py` take the same arguments)."""
+        return -(-num_tokens // self.block_size) + reserve <= self.num_free_blocks
+
+    def num_blocks_to_append(self, seq_ids: Sequence[SeqId]) -> int:
+        """Blocks one `append` of one token to each sequence takes: a new block when the last is
+        full; a copy when it is shared, except for the last of its holders to write."""
+        _check_unique(seq_ids)
+        num_new, writers = 0, Counter()
+        for seq_id in seq_ids:
+            seq = self._seq(seq_id, swapped=False)
+            if seq.num_tokens % self.block_size == 0:
+                num_new += 1
+            else:
+                writers[seq.block_ids[-1]] += 1
+        return num_new + sum(min(k, self.refcount(b) - 1) for b, k in writers.items())
+
+    def can_append(self, seq_ids: Sequence[SeqId]) -> bool:
+        """Exact: `append` of these sequences succeeds iff this holds."""
+        return self.num_blocks_to_append(seq_ids) <= self.num_free_blocks
+
+    def _distinct_blocks(self, seq_ids: Sequence[SeqId], swapped: bool) -> int:
+        return len({b for s in seq_ids for b in self._seq(s, swapped).block_ids})
+
+    def can_swap_out(self, seq_ids: Sequence[SeqId]) -> bool:
+        return self._distinct_blocks(seq_ids, swapped=False) <= self.num_free_cpu_blocks
+
+    def can_swap_in(self, seq_ids: Sequence[SeqId]) -> bool:
+        """Counts only the swapped blocks; the caller reserves room for the next append."""
+        return self._distinct_blocks(seq_ids, swapped=True) <= self.num_free_blocks
+
+    # ---- operations ----------------------------------------------------------------------------
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], *,
+                 max_new_tokens: int | None = None) -> tuple[BlockManager, int]:
+        """A new running sequence holding `token_ids`. Returns (snapshot, num_cached_tokens): with
+        prefix caching, its longest prefix of full blocks found in the cache, at most
+        (len - 1) // block_size blocks (the last token is always computed), is mapped onto the
+        cached blocks, and its other full blocks enter the cache. Their K/V is not yet written:
+        the engine writes a step's K/V before any attention reads it."""
+        if self.has(seq_id):
+            raise ValueError(f"cannot allocate sequence {seq_id!r}: it already exists")
+        n, bs = len(token_ids), self.block_size
+        if n == 0:
+            raise ValueError(f"cannot allocate sequence {seq_id!r} with no tokens")
+        hashes, hits, parent = [], [], None
+        if self.enable_prefix_caching:
+            for i in range(n // bs):
+                hashes.append((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+                parent = hash(hashes[-1])
+            for block_hash in hashes[:(n - 1) // bs]:
+                if (block_id := _shard(self._cached, block_hash).get(block_hash)) is None:
+                    break
+                hits.append(block_id)
+        num_needed = -(-n // bs) - sum(1 for b in hits if self.refcount(b) > 0)
+        if num_needed > self.num_free_blocks:
+            raise OutOfBlocksError(f"cannot allocate sequence {seq_id!r} ({n} tokens): needs "
+                                   f"{num_needed} blocks, {self.num_free_blocks} free")
+        edit = _Edit(self)
+        for block_id in hits:
+            edit.acquire(block_id)
+        block_ids = list(hits)
+        for i in range(len(hits), -(-n // bs)):
+            block_ids.append(edit.allocate_block())
+            if i < len(hashes):
+                edit.cache(hashes[i], block_ids[-1])
+        partial = tuple(token_ids[len(hashes) * bs:]) if self.enable_prefix_caching else ()
+        edit.seqs[seq_id] = _Seq(tuple(block_ids), n, False, parent, partial)
+        return edit.snapshot(), len(hits) * bs
+
+    def append(self, appends: Sequence[tuple[SeqId, int]]) -> tuple[BlockManager, DeviceOps]:
+        """One more token slot for each running sequence (for the token whose K/V is written
+        this step), in order: a new block when the last is full; copy-on-write when the last
+        block is shared (the copy goes to the sequence that appends first). With prefix caching,
+        a block is cached the moment it becomes full."""
+        _check_unique([seq_id for seq_id, _ in appends])
+        edit, bs, copy_pairs = _Edit(self), self.block_size, []
+        for seq_id, token_id in appends:
+            seq = _checked(edit.seqs.get(seq_id), seq_id, swapped=False)
+            block_ids, parent, partial = seq.block_ids, seq.parent_hash, seq.partial_token_ids
+            if seq.num_tokens % bs == 0:
+                block_ids += (edit.allocate_block(),)
+            elif edit.refcounts[last := block_ids[-1]] > 1:  # copy-on-write
+                block_ids = block_ids[:-1] + (edit.allocate_block(),)
+                edit.release(last)
+                copy_pairs.append((last, block_ids[-1]))
+            if self.enable_prefix_caching:
+                partial += (token_id,)
+                if len(partial) == bs:
+                    parent, partial = edit.cache((parent, partial), block_ids[-1]), ()
+            edit.seqs[seq_id] = _Seq(block_ids, seq.num_tokens + 1, False, parent, partial)
+        return edit.snapshot(), DeviceOps(copy_pairs=tuple(copy_pairs))
+
+    def fork(self, parent_seq_id: SeqId, child_seq_id: SeqId) -> BlockManager:
+        """The child shares all of the parent's blocks (refcount + 1 each), in either pool."""
+        if self.has(child_seq_id):
+            raise ValueError(f"cannot fork {parent_seq_id!r} into {child_seq_id!r}: "
+                             f"{child_seq_id!r} already exists")
+        seq = self._seq(parent_seq_id)
+        edit = _Edit(self)
+        refcounts = edit.cpu_refcounts if seq.swapped else edit.refcounts
+        for block_id in seq.block_ids:
+            refcounts[block_id] += 1
+        edit.seqs[child_seq_id] = seq
+        return edit.snapshot()
+
+    def free(self, seq_ids: Sequence[SeqId]) -> BlockManager:
+        """Drop sequences, running or swapped out: refcount - 1 per block; a block reaching 0 is
+        free again (cached-free with prefix caching, if it is cached)."""
+        edit = _Edit(self)
+        for seq_id in seq_ids:
+            seq = _checked(edit.seqs.get(seq_id), seq_id)
+            del edit.seqs[seq_id]
+            for block_id in reversed(seq.block_ids):
+                edit.release(block_id, cpu=seq.swapped)
+        return edit.snapshot()
+
+    def swap_out(self, seq_ids: Sequence[SeqId]) -> tuple[BlockManager, DeviceOps]:
+        """Move running sequences' blocks to the CPU pool; a block shared among them moves once."""
+        return self._swap(seq_ids, to_cpu=True)
+
+    def swap_in(self, seq_ids: Sequence[SeqId]) -> tuple[BlockManager, DeviceOps]:
+        """Move swapped-out sequences' blocks back to the device pool (as uncached blocks)."""
+        return self._swap(seq_ids, to_cpu=False)
+
+    def _swap(self, seq_ids, to_cpu: bool) -> tuple[BlockManager, DeviceOps]:
+        edit, moved = _Edit(self), {}  # source block id -> destination block id
+        for seq_id in seq_ids:
+            seq = _checked(edit.seqs.get(seq_id), seq_id, swapped=not to_cpu)
+            for block_id in seq.block_ids:
+                if block_id in moved:
+                    edit.acquire(moved[block_id], cpu=to_cpu)
+                else:
+                    moved[block_id] = edit.allocate_block(cpu=to_cpu)
+            for block_id in reversed(seq.block_ids):
+                edit.release(block_id, cpu=not to_cpu)
+            edit.seqs[seq_id] = seq._replace(block_ids=tuple(moved[b] for b in seq.block_ids),
+                                             swapped=to_cpu)
+        pairs = tuple(moved.items())
+        return edit.snapshot(), DeviceOps(swap_out=pairs) if to_cpu else DeviceOps(swap_in=pairs)
+
+    # ---- checks and reporting (O(pool size)) ---------------------------------------------------
+    def check_invariants(self) -> None:
+        """Assert every invariant of the module docstring."""
+        bs, entries = self.block_size, {False: Counter(), True: Counter()}
+        fill = {}  # (swapped, block id) -> (logical index, filled slots)
+        for seq_id, seq in _items(self._seqs).items():
+            assert seq.num_tokens >= 1 and len(seq.block_ids) == -(-seq.num_tokens // bs), (
+                f"sequence {seq_id!r}: {seq.num_tokens} tokens in {len(seq.block_ids)} blocks")
+            if self.enable_prefix_caching:
+                assert len(seq.partial_token_ids) == seq.num_tokens % bs, (
+                    f"sequence {seq_id!r}: {len(seq.partial_token_ids)} tokens kept for hashing its "
+                    f"partial block, {seq.num_tokens % bs} expected")
+            for i, block_id in enumerate(seq.block_ids):
+                entries[seq.swapped][block_id] += 1
+                here = (i, min(bs, seq.num_tokens - i * bs))
+                seen = fill.setdefault((seq.swapped, block_id), here)
+                assert seen == here, (f"block {block_id} is shared as (logical index, filled) "
+                                      f"{seen} and {here} (by sequence {seq_id!r})")
+        _check_pool("device", range(1, self.num_blocks), _items(self._refcounts), entries[False],
+                    self._free.to_tuple(check=True) + self._evictable.to_tuple(check=True))
+        _check_pool("CPU", range(self.num_cpu_blocks), _items(self._cpu_refcounts), entries[True],
+                    self._free_cpu.to_tuple(check=True))
+        cached, block_hashes = _items(self._cached), _items(self._block_hashes)
+        assert self.enable_prefix_caching or not cached, "cache without prefix caching"
+        assert block_hashes == {b: h for h, b in cached.items()}, (
+            "prefix cache table and its inverse disagree")
+        assert set(self._evictable.to_tuple()) <= set(block_hashes), "an evictable block is uncached"
+        assert not set(self._free.to_tuple()) & set(block_hashes), "a free block is cached"
+        for block_id in block_hashes:
+            filled = fill.get((False, block_id), (None, bs))[1]
+            assert filled == bs, f"block {block_id} is cached with {filled}/{bs} slots filled"
+
+    def stats(self) -> dict:
+        refcounts = _items(self._refcounts).values()
+        return {
+            "num_blocks": self.num_blocks,
+            "num_free_blocks": self.num_free_blocks,
+            "num_used_blocks": len(refcounts),
+            "num_cached_blocks": len(_items(self._block_hashes)),
+            "num_cached_free_blocks": self._evictable.size,
+            "refcount_histogram": dict(sorted(Counter(refcounts).items())),
+            "num_cpu_blocks": self.num_cpu_blocks,
+            "num_used_cpu_blocks": self.num_cpu_blocks - self.num_free_cpu_blocks,
+            "num_seqs": len(self.seq_ids),
+            "num_swapped_seqs": sum(s.swapped for s in _items(self._seqs).values()),
+        }
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"BlockManager(block_size={self.block_size}, blocks used/free/total="
+                f"{s['num_used_blocks']}/{s['num_free_blocks']}/{self.num_blocks}, cpu used="
+                f"{s['num_used_cpu_blocks']}/{self.num_cpu_blocks}, seqs={s['num_seqs']})")
+
+
+def _checked(seq: _Seq | None, seq_id: SeqId, swapped: bool | None = None) -> _Seq:
+    if seq is None:
+        raise KeyError(f"unknown sequence {seq_id!r}")
+    if swapped is not None and seq.swapped != swapped:
+        raise ValueError(f"sequence {seq_id!r} is {'swapped out' if seq.swapped else 'running'}")
+    return seq
+
+
+def _check_unique(seq_ids: Sequence[SeqId]) -> None:
+    if len(set(seq_ids)) != len(seq_ids):
+        raise ValueError(f"a sequence appears twice in {list(seq_ids)!r}")
+
+
+def _check_pool(name, block_ids, refcounts, entries, free_block_ids) -> None:
+    free = set(free_block_ids)
+    assert len(free) == len(free_block_ids), f"{name} free list has duplicates: {free_block_ids}"
+    assert all(r > 0 for r in refcounts.values()), f"{name} refcount table holds a zero"
+    assert set(refcounts) | set(entries) | free <= set(block_ids), (
+        f"{name} block ids outside {block_ids} (the null block?)")
+    for block_id in block_ids:
+        r, n = refcounts.get(block_id, 0), entries[block_id]
+        assert r == n, f"{name} block {block_id}: refcount {r} but {n} block-table entries"
+        assert (block_id in free) != (r > 0), (
+            f"{name} block {block_id}: refcount {r}, {'' if block_id in free else 'not '}free")
+
+
+# ---- persistent tables -------------------------------------------------------------------------
+# A table is a tuple of dict shards, key k living in shard (hash(k) >> 5) % len(shards): about
+# num_blocks / 32 shards, and 32 consecutive ints (block ids, queue positions) share a shard. A
+# snapshot never mutates one. An operation edits a `_Table`, which copies the shard tuple once and
+# a shard on its first write: O(num_blocks / 32 + 32 * entries written) per operation, instead of
+# O(num_blocks) per table.
+
+def _empty_table(capacity: int) -> tuple:
+    return ({},) * (capacity // 32 + 1)  # one shared empty dict: tables are copied before writes
+
+
+def _shard(shards: tuple, key) -> dict:
+    return shards[(hash(key) >> 5) % len(shards)]
+
+
+def _items(shards: tuple) -> dict:
+    """The whole table as one dict, checking that each key sits in its shard."""
+    merged = {}
+    for i, shard in enumerate(shards):
+        assert all(_shard(shards, k) is shard for k in shard), "table key in the wrong shard"
+        merged.update(shard)
+    return merged
+
+
+class _Table:
+    """Working copy of a table for one operation (dict-like)."""
+
+    __slots__ = ("shards", "copied")
+
+    def __init__(self, shards: tuple):
+        self.shards, self.copied = list(shards), set()
+
+    def get(self, key, default=None):
+        return self.shards[(hash(key) >> 5) % len(self.shards)].get(key, default)
+
+    def __contains__(self, key) -> bool:
+        return key in self.shards[(hash(key) >> 5) % len(self.shards)]
+
+    def __getitem__(self, key):
+        return self.shards[(hash(key) >> 5) % len(self.shards)][key]
+
+    def _writable(self, key) -> dict:
+        i = (hash(key) >> 5) % len(self.shards)
+        if i not in self.copied:
+            self.shards[i], _ = dict(self.shards[i]), self.copied.add(i)
+        return self.shards[i]
+
+    def __setitem__(self, key, value) -> None:
+        self._writable(key)[key] = value
+
+    def __delitem__(self, key) -> None:
+        del self._writable(key)[key]
+
+    def pop(self, key):
+        return self._writable(key).pop(key)
+
+    def frozen(self) -> tuple:
+        return tuple(self.shards)
+
+
+class _Queue(NamedTuple):
+    """A persistent FIFO of block ids with removal by value: `items` (position -> block id) and
+    `index` (block id -> position) tables; positions only grow, and a removed entry leaves a gap."""
+
+    items: tuple
+    index: tuple
+    head: int  # position of the front (or of a gap before it)
+    tail: int  # position the next block goes to
+    size: int
+
+    @classmethod
+    def of(cls, block_ids, empty: tuple) -> _Queue:
+        edit = _QueueEdit(cls(empty, empty, 0, 0, 0))
+        for block_id in block_ids:
+            edit.append(block_id)
+        return edit.frozen()
+
+    def to_tuple(self, check: bool = False) -> tuple[int, ...]:
+        """Front to back (O(tail - head))."""
+        order = tuple(b for p in range(self.head, self.tail)
+                      if (b := _shard(self.items, p).get(p)) is not None)
+        if check:
+            index = _items(self.index)
+            assert len(order) == self.size == len(index) == len(_items(self.items)), (
+                f"queue of {self.size}: {len(order)} in order, {len(index)} indexed")
+            assert all(_shard(self.items, p).get(p) == b for b, p in index.items()), "bad index"
+        return order
+
+
+class _QueueEdit:
+    """Working copy of a `_Queue` for one operation."""
+
+    def __init__(self, queue: _Queue):
+        self.items, self.index = _Table(queue.items), _Table(queue.index)
+        self.head, self.tail, self.size = queue.head, queue.tail, queue.size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def append(self, block_id: int) -> None:
+        self.items[self.tail], self.index[block_id] = block_id, self.tail
+        self.tail, self.size = self.tail + 1, self.size + 1
+
+    def popleft(self) -> int:
+        while self.head not in self.items:  # skip the gaps of removed entries
+            self.head += 1
+        block_id = self.items.pop(self.head)
+        del self.index[block_id]
+        self.head, self.size = self.head + 1, self.size - 1
+        return block_id
+
+    def remove(self, block_id: int) -> None:
+        del self.items[self.index.pop(block_id)]
+        self.size -= 1
+
+    def frozen(self) -> _Queue:
+        return _Queue(self.items.frozen(), self.index.frozen(), self.head, self.tail, self.size)
+
+
+class _Edit:
+    """Working copy of a snapshot for one batched operation: each table becomes a `_Table` (each
+    queue a `_QueueEdit`) on its first use; `snapshot()` freezes them into a new BlockManager."""
+
+    def __init__(self, base: BlockManager):
+        self._base = base
+
+    def __getattr__(self, name: str):  # first use of a table in this operation
+        value = getattr(self._base, "_" + name)
+        value = _QueueEdit(value) if isinstance(value, _Queue) else _Table(value)
+        setattr(self, name, value)
+        return value
+
+    def allocate_block(self, cpu: bool = False) -> int:
+        free = self.free_cpu if cpu else self.free
+        if free:
+            block_id = free.popleft()
+        elif not cpu and self.evictable:  # evict the least recently freed cached block
+            block_id = self.evictable.popleft()
+            del self.cached[self.block_hashes.pop(block_id)]
+        else:
+            raise OutOfBlocksError(f"no free {'CPU' if cpu else 'device'} block")
+        (self.cpu_refcounts if cpu else self.refcounts)[block_id] = 1
+        return block_id
+
+    def acquire(self, block_id: int, cpu: bool = False) -> None:
+        """One more reference to a used block, or to a cached-free one (a prefix-cache hit)."""
+        refcounts = self.cpu_refcounts if cpu else self.refcounts
+        if (refcount := refcounts.get(block_id, 0)) == 0 and not cpu:
+            self.evictable.remove(block_id)
+        refcounts[block_id] = refcount + 1
+
+    def release(self, block_id: int, cpu: bool = False) -> None:
+        refcounts = self.cpu_refcounts if cpu else self.refcounts
+        if (refcount := refcounts[block_id] - 1) > 0:
+            refcounts[block_id] = refcount
+            return
+        del refcounts[block_id]
+        if cpu:
+            self.free_cpu.append(block_id)
+        elif block_id in self.block_hashes:
+            self.evictable.append(block_id)
+        else:
+            self.free.append(block_id)
+
+    def cache(self, block_hash: BlockHash, block_id: int) -> int:
+        """Enter a block that just became full in the prefix cache, unless an identical block is
+        there already; returns the hash its successor chains from."""
+        if block_hash not in self.cached:
+            self.cached[block_hash], self.block_hashes[block_id] = block_id, block_hash
+        return hash(block_hash)
+
+    def snapshot(self) -> BlockManager:
+        return dataclasses.replace(self._base, **{"_" + name: value.frozen()
+                                                  for name, value in vars(self).items()
+                                                  if name != "_base"})
