@@ -57,6 +57,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     seed: int = 0
     free_block_ids: Optional[tuple[int, ...]] = None  # initial free-list order (tests scatter blocks)
+    kv_policy: str = "paged"  # or the contiguous-reservation baselines "orca_max" / "orca_pow2" / "orca_oracle"
 
     def __post_init__(self):
         b = self.block_size
@@ -66,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null block), got {self.num_blocks}")
+        if self.kv_policy not in ("paged", "orca_max", "orca_pow2", "orca_oracle"):
+            raise ValueError(f"kv_policy must be 'paged', 'orca_max', 'orca_pow2' or 'orca_oracle', got {self.kv_policy!r}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
 
@@ -98,7 +101,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or max(self.max_model_len, 2048),
             preemption_mode=config.preemption_mode)
-        self.scheduler = Scheduler(BlockManager.create(**self.block_manager_args), scheduler_config)
+        self.scheduler = Scheduler(self._create_block_manager(), scheduler_config)
         params = self.model.params
         self.runner = ModelRunner(model_config, params, num_blocks=num_blocks, block_size=config.block_size,
                                   dtype=dtype, backend=get_backend(config.attention_backend, interpret=config.interpret),
@@ -112,8 +115,18 @@ class LLMEngine:
         self._request_ids: set[str] = set()
         self.peak_used_blocks = 0
         self.num_steps = 0
+        # cumulative seconds: whole steps (compilation excluded), scheduling, device executables, the rest
+        self.timings = collections.Counter(step_s=0.0, schedule_s=0.0, device_s=0.0, host_s=0.0)
         self._utilization_sum = 0.0
         self._utilization_steps = 0
+
+    def _create_block_manager(self):
+        if self.config.kv_policy == "paged":
+            return BlockManager.create(**self.block_manager_args)
+        from jpaged.reservation import OrcaBlockManager
+
+        return OrcaBlockManager.create(policy=self.config.kv_policy, max_model_len=self.max_model_len,
+                                       **self.block_manager_args)
 
     @property
     def num_blocks(self) -> int:
@@ -186,8 +199,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step. Returns the requests that progressed (cumulative outputs)."""
+        start = time.perf_counter()
+        device_before, compile_before = self.runner.device_seconds, self.runner.compile_seconds
         aborted = self._drain_queues()
         out = self.scheduler.schedule()
+        self.timings["schedule_s"] += time.perf_counter() - start
         progressed = {g.request_id: g for g in aborted + out.finished}
         if out.rows:
             self._execute(out)
@@ -198,6 +214,11 @@ class LLMEngine:
         for group in progressed.values():
             if group.is_finished:
                 self._request_ids.discard(group.request_id)
+        total = time.perf_counter() - start - (self.runner.compile_seconds - compile_before)
+        device = self.runner.device_seconds - device_before
+        self.timings["step_s"] += total
+        self.timings["device_s"] += device
+        self.timings["host_s"] += total - device
         return results
 
     def _drain_queues(self) -> list[SequenceGroup]:

@@ -52,3 +52,18 @@ class LlamaParams:
 def cast_params(params: LlamaParams, dtype) -> LlamaParams:
     """Returns `params` with every floating leaf cast to `dtype`."""
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def init_params(config, key, dtype=jnp.float32, scale: float = 0.05) -> LlamaParams:
+    """Random parameters of the right shapes (tests, GPU checks without a checkpoint)."""
+    L, h, i = config.num_layers, config.hidden_size, config.intermediate_size
+    nh, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    shapes = dict(wq=(L, h, nh, d), wk=(L, h, nkv, d), wv=(L, h, nkv, d), wo=(L, nh, d, h),
+                  w_gate=(L, h, i), w_up=(L, h, i), w_down=(L, i, h))
+    keys = iter(jax.random.split(key, len(shapes) + 2))
+    normal = lambda shape: (scale * jax.random.normal(next(keys), shape)).astype(dtype)  # noqa: E731
+    layers = LayerParams(attn_norm=jnp.ones((L, h), dtype), mlp_norm=jnp.ones((L, h), dtype),
+                         **{name: normal(shape) for name, shape in shapes.items()})
+    lm_head = None if config.tie_word_embeddings else normal((h, config.vocab_size))
+    return LlamaParams(embed=normal((config.vocab_size, h)), layers=layers, final_norm=jnp.ones((h,), dtype),
+                       lm_head=lm_head)

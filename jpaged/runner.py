@@ -93,6 +93,7 @@ class ModelRunner:
         }
         self._executables: dict = {}
         self.compile_seconds = 0.0
+        self.device_seconds = 0.0  # time inside compiled executables, synchronised (the rest of a step is host time)
 
     @property
     def num_compilations(self) -> int:
@@ -107,7 +108,10 @@ class ModelRunner:
             executable = self._jits[name].lower(*args, **static).compile()
             self.compile_seconds += time.perf_counter() - t0
             self._executables[key] = executable
-        return executable(*args)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(executable(*args))
+        self.device_seconds += time.perf_counter() - t0
+        return out
 
     # ---- model steps -------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """Token sampling on the device: greedy, temperature, top-k, top-p, seeded per (seed, sample, step).
 
 Every row carries its own seed: the token at output step t of sample i of a request is drawn with
-the key `fold_in(fold_in(key(seed), i), t)`, so it never depends on what else shares the batch or
-on how often the request was preempted. Log-probabilities are those of the model's raw
+the key `fold_in(key(seed + i), t)`, so it never depends on what else shares the batch or on how
+often the request was preempted, and sample i of a request with seed s draws exactly the tokens of
+a single-sample request with seed s + i. Log-probabilities are those of the model's raw
 distribution (log_softmax of the logits, before temperature and filtering), as vLLM reports them.
 """
 
@@ -42,8 +43,8 @@ class SamplerOutput:
 
 
 def row_key(seed, sample_index, step):
-    key = jax.random.key(seed.astype(jnp.uint32))
-    return jax.random.fold_in(jax.random.fold_in(key, sample_index), step)
+    """The key of output step `step` of sample `sample_index`: a function of those and the seed alone."""
+    return jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32) + sample_index.astype(jnp.uint32)), step)
 
 
 def filter_top_k_top_p(logits, top_k, top_p):

@@ -13,7 +13,8 @@ class SamplingParams:
     n: independent samples of the prompt (their prompt blocks are shared, refcount n).
     beam_width: > 1 switches to beam search (deterministic; temperature/top-k/top-p ignored);
       `length_penalty` and `early_stopping` follow HF transformers' beam search.
-    seed: makes the request reproducible whatever shares its batch; None draws one from the engine.
+    seed: makes the request reproducible whatever shares its batch and however often it is preempted;
+      sample i draws as a single-sample request with seed `seed + i`. None draws one from the engine.
     stop: strings that end a sample (not included in the text); stop_token_ids likewise.
     logprobs: return the top-`logprobs` log-probabilities for every generated token.
     """
@@ -49,6 +50,7 @@ class SamplingParams:
                f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
         _check(isinstance(self.beam_width, int) and self.beam_width >= 1, f"beam_width must be an integer >= 1, got {self.beam_width!r}")
         _check(self.beam_width == 1 or self.n == 1, "use either n > 1 (sampling) or beam_width > 1 (beam search), not both")
+        _check(self.beam_width == 1 or not self.stop, "stop strings are not supported with beam search: use stop_token_ids")
         _check(self.early_stopping in (True, False, "never"), f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
 
     @property

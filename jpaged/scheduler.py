@@ -147,18 +147,22 @@ class Scheduler:
             fresh = all(not s.output_token_ids for s in seqs)  # fresh groups share one prompt prefill
             to_prefill = seqs[:1] if fresh else seqs
             tokens = sum(s.num_tokens for s in to_prefill)
+            bs = self.block_manager.block_size
+            block_rounded = sum(-(-s.num_tokens // bs) * bs for s in to_prefill)  # sequences don't share blocks
             if num_seqs + len(seqs) > self.config.max_num_seqs:
                 break
             if groups and num_tokens + tokens > self.config.max_num_batched_tokens:
                 break
             idle = not (self.running or groups)
-            need = sum(math.ceil(s.num_tokens / self.block_manager.block_size) for s in to_prefill)
-            if self.block_manager.num_free_blocks - need < (0 if idle else watermark):
+            max_new_tokens = group.params.max_tokens - len(to_prefill[0].output_token_ids)
+            if not self.block_manager.can_allocate(block_rounded, reserve=0 if idle else watermark,
+                                                   max_new_tokens=max_new_tokens):
                 break
             self.waiting.popleft()
             cached = []
             for seq in to_prefill:
-                self.block_manager, num_cached = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+                self.block_manager, num_cached = self.block_manager.allocate(seq.seq_id, seq.token_ids,
+                                                                             max_new_tokens=max_new_tokens)
                 cached.append(num_cached)
             if fresh:
                 for seq in seqs[1:]:
@@ -267,14 +271,8 @@ class Scheduler:
     # ---- block accounting --------------------------------------------------------------------
 
     def _append_demand(self, group: SequenceGroup, bm: Optional[BlockManager] = None) -> int:
-        """Blocks one more token for every live sequence may take (a new block, or a copy-on-write)."""
-        bm = bm or self.block_manager
-        need = 0
-        for seq in group.live_seqs:
-            n = bm.num_tokens(seq.seq_id)
-            if n % bm.block_size == 0 or bm.refcount(bm.block_table(seq.seq_id)[-1]) > 1:
-                need += 1
-        return need
+        """Blocks one more token for every live sequence takes (new blocks and copy-on-writes)."""
+        return (bm or self.block_manager).num_blocks_to_append([s.seq_id for s in group.live_seqs])
 
     def _demand(self, groups: Seq[SequenceGroup]) -> int:
         return sum(self._append_demand(g) for g in groups)

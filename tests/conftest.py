@@ -1,11 +1,55 @@
-"""Session-scoped fixtures shared by the test suite: each model is loaded once per session."""
+"""Session-scoped fixtures shared by the test suite: each model is loaded once per session.
+
+Data: `data_dir()` is `<repo>/../shared/data` unless the environment variable `JPAGED_DATA_DIR`
+names another directory; `alpaca_prompts` are the instructions of `alpaca_seed_prompts.jsonl` there.
+
+Engines: `make_llm(**kwargs)` builds an `LLM` on the session's default model (no reload; each LLM
+allocates its own KV pool, so keep `num_blocks` small). `llm` is one shared `LLM` (block size 16,
+`LLM_NUM_BLOCKS` blocks): tests that only generate should use it, so its compiled step shapes are
+reused across test files.
+"""
 
 from __future__ import annotations
+
+import json
+import os
+import pathlib
 
 import jax.numpy as jnp
 import pytest
 
-from jpaged import loader
+from jpaged import LLM, loader
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+SEED_PROMPTS_FILE = "alpaca_seed_prompts.jsonl"
+LLM_NUM_BLOCKS = 256
+
+
+def data_dir() -> pathlib.Path:
+    """The shared data directory: `$JPAGED_DATA_DIR`, else `<repo>/../shared/data`."""
+    return pathlib.Path(os.environ.get("JPAGED_DATA_DIR") or REPO_ROOT.parent / "shared" / "data")
+
+
+def load_seed_prompts() -> list[str]:
+    """The "prompt" of every line of `alpaca_seed_prompts.jsonl`, in file order."""
+    path = data_dir() / SEED_PROMPTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: set JPAGED_DATA_DIR to the directory holding {SEED_PROMPTS_FILE}")
+    with path.open() as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def chat_token_ids(tokenizer, prompt: str) -> list[int]:
+    """The token ids of `prompt` as one user turn of the chat template, ready for the assistant's answer."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+@pytest.fixture(scope="session")
+def alpaca_prompts() -> list[str]:
+    """The 120 instructions of `alpaca_seed_prompts.jsonl` (plain text, no chat template), in file order."""
+    return load_seed_prompts()
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +70,25 @@ def hf_default_model(default_model_path):
     import torch
     import transformers
 
-    torch.set_num_threads(2)  # the machine has 2 cores
+    # One thread: the 2 cores are shared, and torch's thread pool spin-waits under contention
+    # (generate ran ~8x slower with 2 threads than with 1 while other processes were busy).
+    torch.set_num_threads(1)
     return transformers.AutoModelForCausalLM.from_pretrained(
         default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def make_llm(default_model):
+    """`make_llm(**kwargs)` -> `LLM(loaded=default_model, num_blocks=LLM_NUM_BLOCKS, **kwargs)`."""
+
+    def make(**kwargs) -> LLM:
+        kwargs.setdefault("num_blocks", LLM_NUM_BLOCKS)
+        return LLM(loaded=default_model, **kwargs)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llm(make_llm) -> LLM:
+    """The shared LLM: default model, block size 16, `LLM_NUM_BLOCKS` blocks (the null block included)."""
+    return make_llm(block_size=16)
