@@ -159,7 +159,9 @@ class ModelRunner:
                                 seed=columns["seed"], sample_index=columns["sample_index"],
                                 step=columns["step"])
         use_filter = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0) for r in rows)
-        out = self._run("sample", logits, columns["row"], params, num_top=bucket(num_top), use_filter=use_filter)
+        use_random = any(r.temperature > 0 for r in rows)
+        out = self._run("sample", logits, columns["row"], params, num_top=bucket(num_top), use_filter=use_filter,
+                        use_random=use_random)
         out = jax.device_get(out)
         k = len(rows)
         return {"token_ids": out.token_ids[:k], "logprobs": out.logprobs[:k],
