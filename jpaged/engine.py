@@ -157,6 +157,9 @@ class LLMEngine:
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def check_request(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        if self.config.kv_policy != "paged" and (params.n > 1 or params.use_beam_search):
+            raise ValueError(f"kv_policy={self.config.kv_policy!r} reserves one contiguous run per sequence and "
+                             "cannot share blocks: use n=1 without beam search, or kv_policy='paged'")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise ValueError(f"prompt is {n} tokens but the model's context is {self.max_model_len}: "
