@@ -68,7 +68,7 @@ class _Seq(NamedTuple):
     num_tokens: int
     swapped: bool = False
     parent_hash: int | None = None  # prefix caching: hash() of the last full block's BlockHash
-    partial_token_ids: tuple[int, ...] = ()  # prefix caching: tokens in the partly filled last block
+    partial_token_ids: tuple[int, ...] = ()  # prefix caching: the partly filled last block's tokens
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -168,7 +168,8 @@ class BlockManager:
         """Whether a device block is in the prefix cache (used or cached-free)."""
         return block_id in _shard(self._block_hashes, block_id)
 
-    def can_allocate(self, num_tokens: int, *, reserve: int = 0, max_new_tokens: int | None = None) -> bool:
+    def can_allocate(self, num_tokens: int, *, reserve: int = 0,
+                     max_new_tokens: int | None = None) -> bool:
         """Whether a new sequence of `num_tokens` tokens fits with `reserve` blocks still free after
         it (the scheduler's watermark). Conservative: ignores prefix-cache hits, which can only
         lower the need. `max_new_tokens` is ignored: paged allocation reserves nothing ahead (the
@@ -209,7 +210,8 @@ class BlockManager:
         prefix caching, its longest prefix of full blocks found in the cache, at most
         (len - 1) // block_size blocks (the last token is always computed), is mapped onto the
         cached blocks, and its other full blocks enter the cache. Their K/V is not yet written:
-        the engine writes a step's K/V before any attention reads it."""
+        the engine writes a step's K/V before any attention reads it. `max_new_tokens` is
+        ignored (the same signature as the reservation baselines')."""
         if self.has(seq_id):
             raise ValueError(f"cannot allocate sequence {seq_id!r}: it already exists")
         n, bs = len(token_ids), self.block_size
@@ -321,8 +323,8 @@ class BlockManager:
                 f"sequence {seq_id!r}: {seq.num_tokens} tokens in {len(seq.block_ids)} blocks")
             if self.enable_prefix_caching:
                 assert len(seq.partial_token_ids) == seq.num_tokens % bs, (
-                    f"sequence {seq_id!r}: {len(seq.partial_token_ids)} tokens kept for hashing its "
-                    f"partial block, {seq.num_tokens % bs} expected")
+                    f"sequence {seq_id!r}: {len(seq.partial_token_ids)} tokens kept for hashing "
+                    f"its partial block, {seq.num_tokens % bs} expected")
             for i, block_id in enumerate(seq.block_ids):
                 entries[seq.swapped][block_id] += 1
                 here = (i, min(bs, seq.num_tokens - i * bs))
@@ -337,7 +339,7 @@ class BlockManager:
         assert self.enable_prefix_caching or not cached, "cache without prefix caching"
         assert block_hashes == {b: h for h, b in cached.items()}, (
             "prefix cache table and its inverse disagree")
-        assert set(self._evictable.to_tuple()) <= set(block_hashes), "an evictable block is uncached"
+        assert set(self._evictable.to_tuple()) <= set(block_hashes), "evictable block uncached"
         assert not set(self._free.to_tuple()) & set(block_hashes), "a free block is cached"
         for block_id in block_hashes:
             filled = fill.get((False, block_id), (None, bs))[1]
@@ -392,18 +394,22 @@ def _check_pool(name, block_ids, refcounts, entries, free_block_ids) -> None:
 
 
 # ---- persistent tables -------------------------------------------------------------------------
-# A table is a tuple of dict shards, key k living in shard (hash(k) >> 5) % len(shards): about
-# num_blocks / 32 shards, and 32 consecutive ints (block ids, queue positions) share a shard. A
-# snapshot never mutates one. An operation edits a `_Table`, which copies the shard tuple once and
-# a shard on its first write: O(num_blocks / 32 + 32 * entries written) per operation, instead of
-# O(num_blocks) per table.
+# A table is a tuple of dict shards, key k living in shard (hash(k) >> SHARD_BITS) % len(shards):
+# about capacity / 32 shards, and 32 consecutive ints (block ids, queue positions) share a shard.
+# A snapshot never mutates one. An operation edits a `_Table`, which copies the shard tuple on its
+# first write and a shard on the shard's first write: O(num_blocks / 32 + 32 * entries written)
+# per written table and operation, instead of O(num_blocks). (Tests lower SHARD_BITS to exercise
+# many shards in small pools.)
+SHARD_BITS = 5
+
 
 def _empty_table(capacity: int) -> tuple:
-    return ({},) * (capacity // 32 + 1)  # one shared empty dict: tables are copied before writes
+    # one shared empty dict: a `_Table` copies a shard before writing to it
+    return ({},) * ((capacity >> SHARD_BITS) + 1)
 
 
 def _shard(shards: tuple, key) -> dict:
-    return shards[(hash(key) >> 5) % len(shards)]
+    return shards[(hash(key) >> SHARD_BITS) % len(shards)]
 
 
 def _items(shards: tuple) -> dict:
@@ -416,25 +422,28 @@ def _items(shards: tuple) -> dict:
 
 
 class _Table:
-    """Working copy of a table for one operation (dict-like)."""
+    """Working copy of a table for one operation (dict-like). Reads use the snapshot's shards;
+    the first write copies the shard tuple into a list, and each shard on its first write."""
 
     __slots__ = ("shards", "copied")
 
     def __init__(self, shards: tuple):
-        self.shards, self.copied = list(shards), set()
+        self.shards, self.copied = shards, set()
 
     def get(self, key, default=None):
-        return self.shards[(hash(key) >> 5) % len(self.shards)].get(key, default)
+        return _shard(self.shards, key).get(key, default)
 
     def __contains__(self, key) -> bool:
-        return key in self.shards[(hash(key) >> 5) % len(self.shards)]
+        return key in _shard(self.shards, key)
 
     def __getitem__(self, key):
-        return self.shards[(hash(key) >> 5) % len(self.shards)][key]
+        return _shard(self.shards, key)[key]
 
     def _writable(self, key) -> dict:
-        i = (hash(key) >> 5) % len(self.shards)
+        i = (hash(key) >> SHARD_BITS) % len(self.shards)
         if i not in self.copied:
+            if not self.copied:
+                self.shards = list(self.shards)
             self.shards[i], _ = dict(self.shards[i]), self.copied.add(i)
         return self.shards[i]
 
@@ -448,7 +457,7 @@ class _Table:
         return self._writable(key).pop(key)
 
     def frozen(self) -> tuple:
-        return tuple(self.shards)
+        return tuple(self.shards) if self.copied else self.shards
 
 
 class _Queue(NamedTuple):

@@ -41,7 +41,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-prefix-caching", action="store_true")
     g.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as given")
     g.add_argument("--json", action="store_true", help="one JSON object per request, then a summary line")
+    c = sub.add_parser("convert", help="save a model as a jpaged (orbax) checkpoint that loads in seconds")
+    c.add_argument("--model", help="a .gguf file or a HF Llama directory (default: embedded SmolLM2-135M-Instruct)")
+    c.add_argument("--out", default=None, help="new directory to write (default: checkpoints/<model name>)")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     return parser
+
+
+def convert(args) -> int:
+    import pathlib
+
+    from jpaged import checkpoint
+    from jpaged.engine import DTYPES
+    from jpaged.loader import load_model
+
+    loaded = load_model(args.model, dtype=DTYPES[args.dtype])
+    out = pathlib.Path(args.out or pathlib.Path("checkpoints") / loaded.path.stem)
+    if out.exists():
+        raise ValueError(f"{out} already exists: pass --out with a new directory")
+    print(checkpoint.save(loaded, out))
+    return 0
 
 
 def read_prompts(args) -> list[str]:
@@ -150,7 +169,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     try:
-        return generate(args)
+        return generate(args) if args.command == "generate" else convert(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """The paper's worked examples (Figures 6, 8, 9), swapping and prefix caching, with pinned block
-ids, slots and free-list order after each operation. Properties: test_block_manager_properties.py."""
+ids, slots and free-list order after each operation. Property-based tests are in
+test_block_manager_properties.py."""
 
 import copy
 
@@ -330,6 +331,39 @@ def test_errors_leave_snapshot_unchanged():
         bm2.append([("a", 5), ("b", 6)])  # a takes the last block, b finds none
     assert bm == before and bm.free_block_ids == (3,) and bm.refcount(2) == 1
     bm.check_invariants()
+
+
+def test_can_allocate_with_watermark_reserve():
+    bm = BlockManager.create(8, 4)  # 7 free
+    assert bm.can_allocate(20) and not bm.can_allocate(29)
+    assert bm.can_allocate(20, reserve=2) and not bm.can_allocate(20, reserve=3)
+    assert bm.can_allocate(1, max_new_tokens=10_000)  # paged: nothing reserved ahead
+    bm, _ = bm.allocate("a", [1], max_new_tokens=10_000)
+    assert bm.num_free_blocks == 6
+
+
+def test_large_pool_branching_snapshots_stay_independent():
+    """Many shards (default shard size, 1000 blocks): two futures of one snapshot share its
+    tables without seeing each other's writes."""
+    bm = BlockManager.create(1000, 4, num_cpu_blocks=200, enable_prefix_caching=True)
+    for s in range(40):
+        bm, _ = bm.allocate(s, [s % 5] * 8 + list(range(s % 7 + 1)))
+    bm = bm.fork(0, 100)
+    base = (bm.free_block_ids, [bm.block_table(s) for s in range(40)],
+            [bm.refcount(i) for i in range(1000)], bm.stats())
+    a = bm
+    for t in range(9):
+        a, _ = a.append([(s, t) for s in range(0, 40, 2)] + [(100, t)])
+    a, _ = a.swap_out([1, 3, 5])
+    b = bm.free(list(range(1, 40, 2))).fork(2, 101)
+    b, _ = b.append([(101, 7), (2, 7)])
+    for snapshot in (bm, a, b):
+        snapshot.check_invariants()
+    assert base == (bm.free_block_ids, [bm.block_table(s) for s in range(40)],
+                    [bm.refcount(i) for i in range(1000)], bm.stats())
+    assert a.has(1) and a.is_swapped(1) and not b.has(1) and b.has(101) and not a.has(101)
+    assert a.num_tokens(0) == bm.num_tokens(0) + 9 and b.num_tokens(0) == bm.num_tokens(0)
+    assert a.free([s for s in a.seq_ids]).num_free_blocks == 999
 
 
 def test_can_append_counts_new_blocks_and_copies():

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import jpaged.block_manager as block_manager
 from jpaged.block_manager import BlockManager, OutOfBlocksError
 
 PREFIXES = ([], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9, 1])  # shared prompts
@@ -23,8 +24,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
     prefix_caching = False
 
     @initialize(data=st.data(), block_size=st.sampled_from([1, 2, 4]),
-                num_blocks=st.integers(4, 24), num_cpu_blocks=st.integers(0, 12))
-    def setup(self, data, block_size, num_blocks, num_cpu_blocks):
+                num_blocks=st.integers(4, 24), num_cpu_blocks=st.integers(0, 12),
+                shard_bits=st.sampled_from([0, 2, block_manager.SHARD_BITS]))
+    def setup(self, data, block_size, num_blocks, num_cpu_blocks, shard_bits):
+        # small shards, so that small pools exercise the persistent tables' copy-on-write
+        self.saved_shard_bits, block_manager.SHARD_BITS = block_manager.SHARD_BITS, shard_bits
         order = data.draw(st.permutations(range(1, num_blocks)), label="free_block_ids")
         self.bm = BlockManager.create(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                       enable_prefix_caching=self.prefix_caching,
@@ -33,8 +37,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.groups = {}  # group id -> seq ids (a request's samples / beam candidates)
         self.device, self.cpu = {}, {}  # slot -> token prefix whose K/V it holds
         self.next_id = 0
+        self.old = (self.bm, self.fingerprint(self.bm))
 
     # ---- model helpers ------------------------------------------------------------------------
+    @staticmethod
+    def fingerprint(bm):
+        """Everything observable about a snapshot, to check that later operations leave it be."""
+        seqs = {s: (bm.block_table(s), bm.num_tokens(s), bm.is_swapped(s)) for s in bm.seq_ids}
+        return (seqs, bm.free_block_ids, bm.free_cpu_block_ids,
+                [bm.refcount(b) for b in range(bm.num_blocks)],
+                [bm.cpu_refcount(b) for b in range(bm.num_cpu_blocks)],
+                [bm.is_cached(b) for b in range(bm.num_blocks)], bm.stats())
+
     def new_id(self):
         self.next_id += 1
         return self.next_id
@@ -47,8 +61,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return sorted(s for s in self.tokens if not self.bm.is_swapped(s))
 
     def write(self, seq_id, start):
-        for p, slot in enumerate(self.bm.slot_mapping(seq_id, start, len(self.tokens[seq_id])), start):
-            self.device[slot] = tuple(self.tokens[seq_id][:p + 1])
+        tokens = self.tokens[seq_id]
+        for p, slot in enumerate(self.bm.slot_mapping(seq_id, start, len(tokens)), start):
+            self.device[slot] = tuple(tokens[:p + 1])
 
     def move_blocks(self, pairs, src, dst):
         bs = self.bm.block_size
@@ -154,6 +169,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def invariants_hold(self):
         self.bm.check_invariants()
+        old_bm, old_fingerprint = self.old  # the snapshot before the last operation is unchanged
+        assert self.fingerprint(old_bm) == old_fingerprint
+        self.old = (self.bm, self.fingerprint(self.bm))
         stats = self.bm.stats()
         assert stats["num_free_blocks"] + stats["num_used_blocks"] == self.bm.num_blocks - 1
 
@@ -175,11 +193,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "bm"):
             return
-        self.bm = self.bm.free(list(self.tokens))
-        self.bm.check_invariants()
-        assert self.bm.num_free_blocks == self.bm.num_blocks - 1
-        assert self.bm.num_free_cpu_blocks == self.bm.num_cpu_blocks
-        assert self.bm.stats()["num_used_blocks"] == 0 and self.bm.seq_ids == ()
+        try:
+            self.bm = self.bm.free(list(self.tokens))
+            self.bm.check_invariants()
+            assert self.bm.num_free_blocks == self.bm.num_blocks - 1
+            assert self.bm.num_free_cpu_blocks == self.bm.num_cpu_blocks
+            assert self.bm.stats()["num_used_blocks"] == 0 and self.bm.seq_ids == ()
+        finally:
+            block_manager.SHARD_BITS = self.saved_shard_bits
 
 
 class PrefixCachingMachine(BlockManagerMachine):
