@@ -12,6 +12,7 @@ import itertools
 import time
 from typing import Optional
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jpaged.engine import EngineConfig, LLMEngine
@@ -40,9 +41,9 @@ class LLM:
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generates for each prompt (text, or a list of token ids). Every prompt is validated before
         any runs: a bad one raises ValueError and nothing is queued. Outputs come in input order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1) or (
+                isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]  # one prompt, not a batch
         prompts = list(prompts)
         params = as_list(sampling_params, len(prompts))
         for i, (prompt, p) in enumerate(zip(prompts, params)):

@@ -23,22 +23,13 @@ from jpaged.kv_cache import KVCache
 from jpaged.model import ModelInputs, compute_logits, forward, last_token_hidden
 from jpaged.params import LlamaParams
 from jpaged.sampler import SamplingInputs, sample
+from jpaged.scheduler import Row
 
 
 def bucket(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum)."""
     n = max(n, minimum)
     return 1 << (n - 1).bit_length()
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    """One sequence's part of a step: compute `token_ids` at positions start.. and write them to `slots`."""
-
-    token_ids: Seq[int]
-    start_position: int
-    slots: Seq[int]
-    block_table: Seq[int]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,11 @@ Engines: `make_llm(**kwargs)` builds an `LLM` on the session's default model (no
 allocates its own KV pool, so keep `num_blocks` small). `llm` is one shared `LLM` (block size 16,
 `LLM_NUM_BLOCKS` blocks): tests that only generate should use it, so its compiled step shapes are
 reused across test files.
+
+Compilation: JAX's persistent compilation cache lives in `<repo>/.jax_cache` (git-ignored), so a
+rerun loads the step executables instead of compiling them again; `JPAGED_JAX_CACHE=0` turns it
+off, any other value names another directory. (`num_compilations` counts executables built per
+runner either way: a cache hit still counts.)
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import os
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -23,6 +29,18 @@ from jpaged import LLM, loader
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 SEED_PROMPTS_FILE = "alpaca_seed_prompts.jsonl"
 LLM_NUM_BLOCKS = 256
+
+
+def _enable_compilation_cache() -> None:
+    setting = os.environ.get("JPAGED_JAX_CACHE", "")
+    if setting == "0":
+        return
+    jax.config.update("jax_compilation_cache_dir", setting or str(REPO_ROOT / ".jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+_enable_compilation_cache()
 
 
 def data_dir() -> pathlib.Path:

@@ -1,0 +1,52 @@
+"""Run the benchmarks: `python -m bench [--quick] [--only NAME,...] [--out DIR]`.
+
+--quick (under 10 minutes on 2 cores): the allocator simulation, offline throughput of paged
+against the Orca baselines on 32 requests, jpaged against HF transformers at batch 16, and the
+scheduler's host overhead. The full preset runs every benchmark at full size, vLLM's CPU build
+included (about 90 minutes on 2 cores, most of it in vs_peers and throughput's request-rate sweep).
+Results: bench/results/<name>.json and .png. `bench/gpu_kernels.py` runs on a GPU machine instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+QUICK = ["memory_utilization", "throughput", "vs_peers", "scheduler_overhead"]
+FULL = QUICK + ["sharing", "block_size", "preemption"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", help=f"comma-separated subset of {','.join(FULL)}")
+    parser.add_argument("--out", default=None, help="results folder (default bench/results)")
+    args = parser.parse_args(argv)
+    names = args.only.split(",") if args.only else (QUICK if args.quick else FULL)
+    unknown = sorted(set(names) - set(FULL))
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}: choose from {FULL}")
+    failed = []
+    for name in names:
+        module = importlib.import_module(f"bench.{name}")
+        sub_argv = (["--quick"] if args.quick else []) + (["--out", args.out] if args.out else [])
+        print(f"== {name} {' '.join(sub_argv)}", flush=True)
+        start = time.perf_counter()
+        try:
+            module.main(sub_argv)
+        except Exception as e:  # one failing benchmark must not hide the others' results
+            failed.append(name)
+            print(f"!! {name} failed: {type(e).__name__}: {e}", flush=True)
+        print(f"== {name} done in {time.perf_counter() - start:.0f}s", flush=True)
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
