@@ -92,9 +92,12 @@ class BlockManager:
     @classmethod
     def create(cls, num_blocks: int, block_size: int, *, num_cpu_blocks: int = 0,
                enable_prefix_caching: bool = False,
-               free_block_ids: Sequence[int] | None = None) -> BlockManager:
+               free_block_ids: Sequence[int] | None = None, shard_bits: int = None) -> BlockManager:
         """`free_block_ids`: the initial free-list order, a permutation of 1..num_blocks-1
-        (default ascending). CPU blocks are 0..num_cpu_blocks-1, ascending."""
+        (default ascending). CPU blocks are 0..num_cpu_blocks-1, ascending. `shard_bits`: the
+        persistent tables' shard width, 2**shard_bits consecutive keys a shard (default SHARD_BITS;
+        tests lower it so small pools exercise many shards)."""
+        shard_bits = SHARD_BITS if shard_bits is None else shard_bits
         if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
             raise ValueError(f"bad pool: num_blocks={num_blocks}, block_size={block_size}, "
                              f"num_cpu_blocks={num_cpu_blocks}")
@@ -102,7 +105,7 @@ class BlockManager:
         if sorted(ids) != list(range(1, num_blocks)):
             raise ValueError(f"free_block_ids must be a permutation of 1..{num_blocks - 1} "
                              f"(block {NULL_BLOCK_ID} is the null block)")
-        empty, cpu_empty = _empty_table(num_blocks), _empty_table(num_cpu_blocks)
+        empty, cpu_empty = _empty_table(num_blocks, shard_bits), _empty_table(num_cpu_blocks, shard_bits)
         return cls(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, empty, empty,
                    _Queue.of(ids, empty), _Queue.of([], empty), empty, empty, cpu_empty,
                    _Queue.of(range(num_cpu_blocks), cpu_empty))
@@ -394,22 +397,40 @@ def _check_pool(name, block_ids, refcounts, entries, free_block_ids) -> None:
 
 
 # ---- persistent tables -------------------------------------------------------------------------
-# A table is a tuple of dict shards, key k living in shard (hash(k) >> SHARD_BITS) % len(shards):
+# A table is a tuple of dict shards (`_Shards`, which carries its own shard width `bits`), key k
+# living in shard (hash(k) >> bits) % len(shards), bits = SHARD_BITS unless a test asks for less:
 # about capacity / 32 shards, and 32 consecutive ints (block ids, queue positions) share a shard.
 # A snapshot never mutates one. An operation edits a `_Table`, which copies the shard tuple on its
 # first write and a shard on the shard's first write: O(num_blocks / 32 + 32 * entries written)
-# per written table and operation, instead of O(num_blocks). (Tests lower SHARD_BITS to exercise
-# many shards in small pools.)
+# per written table and operation, instead of O(num_blocks).
 SHARD_BITS = 5
 
 
-def _empty_table(capacity: int) -> tuple:
+class _Shards(tuple):
+    """A table's shards, carrying the shard width they were laid out with (never a global: a
+    snapshot stays readable whatever tables are built later)."""
+
+    bits: int
+
+    def __new__(cls, shards, bits: int):
+        self = super().__new__(cls, shards)
+        self.bits = bits
+        return self
+
+    def __reduce__(self):  # copy / pickle
+        return _Shards, (tuple(self), self.bits)
+
+    def index(self, key) -> int:  # noqa: A003 (shadows tuple.index on purpose: the shard of a key)
+        return (hash(key) >> self.bits) % len(self)
+
+
+def _empty_table(capacity: int, bits: int = SHARD_BITS) -> _Shards:
     # one shared empty dict: a `_Table` copies a shard before writing to it
-    return ({},) * ((capacity >> SHARD_BITS) + 1)
+    return _Shards(({},) * ((capacity >> bits) + 1), bits)
 
 
-def _shard(shards: tuple, key) -> dict:
-    return shards[(hash(key) >> SHARD_BITS) % len(shards)]
+def _shard(shards: _Shards, key) -> dict:
+    return shards[shards.index(key)]
 
 
 def _items(shards: tuple) -> dict:
@@ -425,22 +446,25 @@ class _Table:
     """Working copy of a table for one operation (dict-like). Reads use the snapshot's shards;
     the first write copies the shard tuple into a list, and each shard on its first write."""
 
-    __slots__ = ("shards", "copied")
+    __slots__ = ("shards", "copied", "layout")
 
-    def __init__(self, shards: tuple):
-        self.shards, self.copied = shards, set()
+    def __init__(self, shards: _Shards):
+        self.shards, self.copied, self.layout = shards, set(), shards
+
+    def _shard(self, key) -> dict:
+        return self.shards[self.layout.index(key)]
 
     def get(self, key, default=None):
-        return _shard(self.shards, key).get(key, default)
+        return self._shard(key).get(key, default)
 
     def __contains__(self, key) -> bool:
-        return key in _shard(self.shards, key)
+        return key in self._shard(key)
 
     def __getitem__(self, key):
-        return _shard(self.shards, key)[key]
+        return self._shard(key)[key]
 
     def _writable(self, key) -> dict:
-        i = (hash(key) >> SHARD_BITS) % len(self.shards)
+        i = self.layout.index(key)
         if i not in self.copied:
             if not self.copied:
                 self.shards = list(self.shards)
@@ -456,8 +480,8 @@ class _Table:
     def pop(self, key):
         return self._writable(key).pop(key)
 
-    def frozen(self) -> tuple:
-        return tuple(self.shards) if self.copied else self.shards
+    def frozen(self) -> _Shards:
+        return _Shards(self.shards, self.layout.bits) if self.copied else self.shards
 
 
 class _Queue(NamedTuple):

@@ -391,3 +391,17 @@ def test_device_ops_add_and_stats():
         "num_cached_free_blocks": 0, "refcount_histogram": {2: 2}, "num_cpu_blocks": 3,
         "num_used_cpu_blocks": 0, "num_seqs": 2, "num_swapped_seqs": 0}
     assert "blocks used/free/total=2/3/6" in repr(bm)
+
+
+def test_snapshots_with_different_shard_widths_coexist():
+    """Shard layout travels with each snapshot: no module-level setting can make one unreadable."""
+    wide = BlockManager.create(64, 4)
+    wide, _ = wide.allocate("a", list(range(30)))
+    narrow = BlockManager.create(64, 4, shard_bits=0)
+    narrow, _ = narrow.allocate("a", list(range(30)))
+    for bm in (wide, narrow):
+        bm, _ = bm.append([("a", 1)])
+        bm = bm.fork("a", "b")
+        bm = bm.free(["a", "b"])
+        bm.check_invariants()
+        assert bm.num_free_blocks == 63

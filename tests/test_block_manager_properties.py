@@ -28,11 +28,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 shard_bits=st.sampled_from([0, 2, block_manager.SHARD_BITS]))
     def setup(self, data, block_size, num_blocks, num_cpu_blocks, shard_bits):
         # small shards, so that small pools exercise the persistent tables' copy-on-write
-        self.saved_shard_bits, block_manager.SHARD_BITS = block_manager.SHARD_BITS, shard_bits
         order = data.draw(st.permutations(range(1, num_blocks)), label="free_block_ids")
         self.bm = BlockManager.create(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                       enable_prefix_caching=self.prefix_caching,
-                                      free_block_ids=order)
+                                      free_block_ids=order, shard_bits=shard_bits)
         self.tokens = {}  # seq id -> token ids whose K/V is in its slots
         self.groups = {}  # group id -> seq ids (a request's samples / beam candidates)
         self.device, self.cpu = {}, {}  # slot -> token prefix whose K/V it holds
@@ -193,14 +192,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "bm"):
             return
-        try:
-            self.bm = self.bm.free(list(self.tokens))
-            self.bm.check_invariants()
-            assert self.bm.num_free_blocks == self.bm.num_blocks - 1
-            assert self.bm.num_free_cpu_blocks == self.bm.num_cpu_blocks
-            assert self.bm.stats()["num_used_blocks"] == 0 and self.bm.seq_ids == ()
-        finally:
-            block_manager.SHARD_BITS = self.saved_shard_bits
+        self.bm = self.bm.free(list(self.tokens))
+        self.bm.check_invariants()
+        assert self.bm.num_free_blocks == self.bm.num_blocks - 1
+        assert self.bm.num_free_cpu_blocks == self.bm.num_cpu_blocks
+        assert self.bm.stats()["num_used_blocks"] == 0 and self.bm.seq_ids == ()
 
 
 class PrefixCachingMachine(BlockManagerMachine):
