@@ -38,10 +38,7 @@ import argparse
 import bisect
 import collections
 import dataclasses
-import json
 import math
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -51,6 +48,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `bench` and `jpaged` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import common  # noqa: E402
 from bench import traces as traces_lib  # noqa: E402
 from jpaged.reservation import ReservationManager, ReservationPolicy, cdiv  # noqa: E402
 
@@ -363,15 +361,6 @@ def print_table(out: dict) -> None:
                   f"{row['mean_running']:7.1f}{row['num_preemptions']:8d}")
 
 
-def _versions() -> dict:
-    import matplotlib
-    transformers = sys.modules.get("transformers")
-    return dict(python=sys.version.split()[0], numpy=np.__version__, matplotlib=matplotlib.__version__,
-                transformers=getattr(transformers, "__version__", None),
-                platform=platform.platform(), machine=platform.machine(), cpu_count=os.cpu_count(),
-                date=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller traces (a few seconds)")
@@ -386,10 +375,9 @@ def main(argv=None) -> dict:
                            block_sizes=[8, 16, 32, 64, 128, 256], orca_block_size=16,
                            max_model_len=traces_lib.MAX_MODEL_LEN, null_block="excluded from the pool",
                            trace_params=dict(sharegpt_like=traces_lib.SHAREGPT, alpaca_like=traces_lib.ALPACA))
-    out["machine"] = _versions()
+    out["machine"] = common.machine_info()
     out["wall_seconds"] = time.perf_counter() - start
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "memory_utilization.json").write_text(json.dumps(out, indent=1))
+    common.write_json(args.out / "memory_utilization.json", out)
     plot(out, args.out / "memory_utilization.png")
     print_table(out)
     print(f"wall {out['wall_seconds']:.1f} s -> {args.out}/memory_utilization.{{json,png}}")

@@ -24,6 +24,9 @@ import dataclasses
 import enum
 import functools
 from collections.abc import Hashable
+from typing import NamedTuple
+
+from jpaged.block_manager import DeviceOps, OutOfBlocksError
 
 
 def next_power_of_two(n: int) -> int:
@@ -254,3 +257,283 @@ class ReservationManager:
             if reservation.request_id == request_id:
                 return reservation
         raise KeyError(request_id)
+
+
+# ---- the Orca baselines inside the engine ---------------------------------------------------------
+
+class _Held(NamedTuple):
+    """One running sequence under contiguous reservation."""
+
+    reservation: Reservation
+    num_tokens: int  # tokens whose K/V slots are in use (as BlockManager's num_tokens)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class OrcaBlockManager:
+    """Contiguous reservation behind `BlockManager`'s interface (the subset the scheduler and the
+    engine call), so the same engine runs the Orca baselines: `EngineConfig(kv_policy="orca_max" |
+    "orca_pow2" | "orca_oracle")`. An immutable snapshot; every operation returns a new one.
+
+    A sequence is admitted with one buddy run holding its policy's reservation of prompt +
+    `max_new_tokens` (the request's output budget: its true output length when `max_tokens` is
+    it, which is what the paper's Orca(Oracle) assumes). Its block table is the consecutive block
+    ids of that run covering its tokens so far, so `slot = block_id * block_size + offset` and the
+    kernels are those of the paged engine. Growth never allocates: `append` only counts tokens,
+    `num_blocks_to_append` is 0 inside the reservation, hence no preemption is ever needed.
+
+    Semantics next to `BlockManager`:
+    - `num_free_blocks`: blocks in free buddy runs. Reserved blocks, written or not, are used.
+    - `refcount(b)`: 1 for every block of an allocated run (its only holder), else 0.
+    - `can_allocate(num_tokens, reserve=, max_new_tokens=)`: whether a free run fits the
+      reservation. `reserve` (the scheduler's watermark, kept free against the preemptions that
+      growth causes under paging) is ignored: a reservation already covers its growth, and the
+      watermark would cost Orca(Max) one of its six 2048-token runs in a 768-block pool.
+    - `num_blocks_to_append`: larger than the pool when a sequence would outgrow its reservation
+      (only possible when `max_tokens` is below the true output length), so the scheduler ends it
+      with `finish_reason="length"`.
+    - No sharing: `fork`, swapping and prefix caching raise `NotImplementedError`.
+
+    Invariants (`check_invariants`): the buddy allocator's; one allocated run per sequence and
+    none without one; each sequence's tokens fit its reservation, and its reservation its run;
+    block 0 (null) is never reserved.
+    """
+
+    policy: ReservationPolicy
+    reservations: ReservationManager
+    num_cpu_blocks: int
+    _seqs: dict  # seq_id -> _Held
+
+    @classmethod
+    def create(cls, *, policy: ReservationPolicy | str, max_model_len: int, num_blocks: int,
+               block_size: int, num_cpu_blocks: int = 0, enable_prefix_caching: bool = False,
+               free_block_ids=None) -> "OrcaBlockManager":
+        """Same arguments as `BlockManager.create`, plus the policy and the model's maximum length.
+        `free_block_ids` (a paged free-list order) has no meaning here and must be None."""
+        policy = ReservationPolicy(policy)
+        if enable_prefix_caching:
+            raise NotImplementedError(f"{policy.value}: contiguous reservation shares no blocks, "
+                                      f"so it has no prefix caching (use kv_policy='paged')")
+        if free_block_ids is not None:
+            raise ValueError(f"{policy.value}: free_block_ids sets a paged free-list order; the "
+                             f"buddy allocator chooses the runs of contiguous reservations")
+        if block_size < 1 or max_model_len < 2:
+            raise ValueError(f"bad block_size={block_size} or max_model_len={max_model_len}")
+        manager = ReservationManager.create(num_blocks, block_size, policy, max_model_len)
+        return cls(policy, manager, num_cpu_blocks, {})
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.reservations.buddy.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.reservations.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.reservations.max_model_len
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.reservations.buddy.num_free_blocks
+
+    @property
+    def largest_free_run(self) -> int:
+        return self.reservations.buddy.largest_free_run
+
+    @property
+    def seq_ids(self) -> tuple:
+        return tuple(self._seqs)
+
+    def has(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def _held(self, seq_id: Hashable) -> _Held:
+        if (held := self._seqs.get(seq_id)) is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        return held
+
+    def reservation(self, seq_id: Hashable) -> Reservation:
+        return self._held(seq_id).reservation
+
+    def block_table(self, seq_id: Hashable) -> tuple[int, ...]:
+        """The consecutive block ids of its run that hold its tokens so far."""
+        held = self._held(seq_id)
+        return held.reservation.block_table(held.num_tokens)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return self._held(seq_id).num_tokens
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        self._held(seq_id)
+        return False
+
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
+        """Device slots of positions [start, end) of a sequence: consecutive in its run."""
+        held = self._held(seq_id)
+        if not 0 <= start <= end <= held.num_tokens:
+            raise IndexError(f"positions [{start}, {end}) out of range for sequence {seq_id!r} "
+                             f"of {held.num_tokens} tokens")
+        base = held.reservation.first_block_id * self.block_size
+        return list(range(base + start, base + end))
+
+    def slot(self, seq_id: Hashable, position: int) -> int:
+        return self.slot_mapping(seq_id, position, position + 1)[0]
+
+    def refcount(self, block_id: int) -> int:
+        """1 for a block of an allocated run (reserved: its sequence's alone), else 0."""
+        return int(any(first <= block_id < first + n
+                       for _, first, n in self.reservations.buddy.allocations))
+
+    def reservation_blocks(self, num_tokens: int, max_new_tokens: int | None) -> int:
+        """Blocks of the buddy run a sequence of `num_tokens` tokens with `max_new_tokens` more to
+        generate reserves (None: as many as the model allows). Lengths are capped at
+        `max_model_len`: the engine ends a sequence there, whatever its `max_tokens`."""
+        prompt_len, output_len = self._lengths(num_tokens, max_new_tokens)
+        return self.reservations.num_run_blocks(prompt_len, output_len)
+
+    def _lengths(self, num_tokens: int, max_new_tokens: int | None) -> tuple[int, int]:
+        if num_tokens < 1:
+            raise ValueError(f"a sequence needs at least one token, got {num_tokens}")
+        prompt_len = min(num_tokens, self.max_model_len - 1)
+        room = self.max_model_len - prompt_len
+        return prompt_len, room if max_new_tokens is None else max(1, min(max_new_tokens, room))
+
+    def can_allocate(self, num_tokens: int, *, reserve: int = 0,
+                     max_new_tokens: int | None = None) -> bool:
+        """Whether one free buddy run fits the reservation (`reserve` is ignored: see the class
+        docstring). `num_tokens` may be rounded up to whole blocks by the caller; the answer is
+        then at worst conservative."""
+        del reserve
+        return self.largest_free_run >= self.reservation_blocks(num_tokens, max_new_tokens)
+
+    def num_blocks_to_append(self, seq_ids) -> int:
+        """0 while every sequence stays inside its reservation; `num_blocks` (more than can ever be
+        free) when one would outgrow it."""
+        _check_unique(seq_ids)
+        for seq_id in seq_ids:
+            held = self._held(seq_id)
+            if held.num_tokens + 1 > held.reservation.num_slots:
+                return self.num_blocks
+        return 0
+
+    def can_append(self, seq_ids) -> bool:
+        return self.num_blocks_to_append(seq_ids) <= self.num_free_blocks
+
+    # ---- operations ----------------------------------------------------------------------------
+    def allocate(self, seq_id: Hashable, token_ids, *,
+                 max_new_tokens: int | None = None) -> tuple["OrcaBlockManager", int]:
+        """Admit a sequence holding `token_ids`: reserve its run. Returns (snapshot, 0 cached tokens)."""
+        if seq_id in self._seqs:
+            raise ValueError(f"cannot allocate sequence {seq_id!r}: it already exists")
+        n = len(token_ids)
+        if not 1 <= n < self.max_model_len:
+            raise ValueError(f"cannot allocate sequence {seq_id!r} of {n} tokens: 1.."
+                             f"{self.max_model_len - 1} fit the model")
+        prompt_len, output_len = self._lengths(n, max_new_tokens)
+        try:
+            manager, reservation = self.reservations.admit(seq_id, prompt_len, output_len)
+        except MemoryError as e:
+            raise OutOfBlocksError(f"cannot allocate sequence {seq_id!r} ({n} tokens, "
+                                   f"{self.policy.value}): {e}") from None
+        seqs = dict(self._seqs)
+        seqs[seq_id] = _Held(reservation, n)
+        return dataclasses.replace(self, reservations=manager, _seqs=seqs), 0
+
+    def append(self, appends) -> tuple["OrcaBlockManager", DeviceOps]:
+        """One more token slot for each running sequence, inside its reservation: no device work."""
+        _check_unique([seq_id for seq_id, _ in appends])
+        seqs = dict(self._seqs)
+        for seq_id, _ in appends:
+            held = self._held(seq_id)
+            if held.num_tokens + 1 > held.reservation.num_slots:
+                raise OutOfBlocksError(f"sequence {seq_id!r} would outgrow its reservation of "
+                                       f"{held.reservation.num_slots} slots")
+            seqs[seq_id] = held._replace(num_tokens=held.num_tokens + 1)
+        return dataclasses.replace(self, _seqs=seqs), DeviceOps()
+
+    def free(self, seq_ids) -> "OrcaBlockManager":
+        """Release the sequences' runs (the buddy allocator merges them back)."""
+        manager, seqs = self.reservations, dict(self._seqs)
+        for seq_id in seq_ids:
+            self._held(seq_id)
+            if seq_id not in seqs:
+                raise ValueError(f"sequence {seq_id!r} freed twice")
+            del seqs[seq_id]
+            manager = manager.release(seq_id)
+        return dataclasses.replace(self, reservations=manager, _seqs=seqs)
+
+    def _no_sharing(self, verb: str):
+        raise NotImplementedError(
+            f"{verb} is not supported under contiguous reservation ({self.policy.value}): the Orca "
+            f"baselines share no blocks and never preempt (use kv_policy='paged' for n > 1, beam "
+            f"search, or swap preemption)")
+
+    def fork(self, parent_seq_id, child_seq_id):
+        self._no_sharing("fork")
+
+    def swap_out(self, seq_ids):
+        self._no_sharing("swap_out")
+
+    def swap_in(self, seq_ids):
+        self._no_sharing("swap_in")
+
+    def can_swap_out(self, seq_ids):
+        self._no_sharing("can_swap_out")
+
+    def can_swap_in(self, seq_ids):
+        self._no_sharing("can_swap_in")
+
+    # ---- checks and reporting ------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Assert every invariant of the class docstring."""
+        buddy = self.reservations.buddy
+        buddy.check_invariants()
+        held_ids = {rid for rid, _, _ in buddy.allocations}
+        assert held_ids == set(self._seqs), (
+            f"runs held by {sorted(map(repr, held_ids))}, sequences {sorted(map(repr, self._seqs))}")
+        assert {r.request_id for r in self.reservations.reservations} == held_ids, (
+            "reservations and buddy runs disagree")
+        for seq_id, held in self._seqs.items():
+            r = held.reservation
+            assert self.reservations.reservation(seq_id) == r, f"sequence {seq_id!r}: stale reservation"
+            assert buddy.allocation(seq_id) == (r.first_block_id, r.run_blocks), (
+                f"sequence {seq_id!r}: reservation {r} is not its run {buddy.allocation(seq_id)}")
+            assert 1 <= held.num_tokens <= r.num_slots <= r.run_blocks * self.block_size, (
+                f"sequence {seq_id!r}: {held.num_tokens} tokens, {r.num_slots} slots, "
+                f"{r.run_blocks} blocks")
+            assert r.first_block_id >= 1, f"sequence {seq_id!r} holds the null block"
+
+    def stats(self) -> dict:
+        """`BlockManager.stats()`'s keys (nothing is cached, shared or swapped here), plus the
+        reservation's own: reserved slots, slots holding tokens, the largest free run."""
+        num_used = self.num_blocks - 1 - self.num_free_blocks
+        return {
+            "num_blocks": self.num_blocks,
+            "num_free_blocks": self.num_free_blocks,
+            "num_used_blocks": num_used,
+            "num_cached_blocks": 0,
+            "num_cached_free_blocks": 0,
+            "refcount_histogram": {1: num_used} if num_used else {},
+            "num_cpu_blocks": self.num_cpu_blocks,
+            "num_used_cpu_blocks": 0,
+            "num_seqs": len(self._seqs),
+            "num_swapped_seqs": 0,
+            "policy": self.policy.value,
+            "num_reserved_slots": sum(h.reservation.num_slots for h in self._seqs.values()),
+            "num_token_slots": sum(h.num_tokens for h in self._seqs.values()),
+            "largest_free_run": self.largest_free_run,
+        }
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"OrcaBlockManager({self.policy.value}, block_size={self.block_size}, blocks "
+                f"used/free/total={s['num_used_blocks']}/{s['num_free_blocks']}/{self.num_blocks}, "
+                f"largest free run={s['largest_free_run']}, seqs={s['num_seqs']})")
+
+
+def _check_unique(seq_ids) -> None:
+    seq_ids = list(seq_ids)
+    if len(set(seq_ids)) != len(seq_ids):
+        raise ValueError(f"a sequence appears twice in {seq_ids!r}")

@@ -1,0 +1,107 @@
+"""Helpers shared by the benchmarks: the machine/versions record, JSON results, timing, summaries.
+
+Every result file records `machine_info()`: versions of the libraries that shape the numbers, the
+CPU, and the load average when the run started (the development machines are shared: a load
+above the core count means the timings are inflated).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PACKAGES = ("jax", "jaxlib", "numpy", "transformers", "matplotlib", "gguf")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_state() -> dict:
+    """The commit the working tree is on and whether it has uncommitted changes (None outside git)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    try:
+        return dict(commit=git("rev-parse", "HEAD") or None, dirty=bool(git("status", "--porcelain")))
+    except (OSError, subprocess.SubprocessError):
+        return dict(commit=None, dirty=None)
+
+
+def machine_info(packages=PACKAGES) -> dict:
+    """Python, library versions, platform, CPU count, load average, date, git state."""
+    info = dict(python=sys.version.split()[0], platform=platform.platform(),
+                machine=platform.machine(), processor=platform.processor() or None,
+                cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                versions={p: _version(p) for p in packages}, git=git_state())
+    with contextlib.suppress(OSError, AttributeError):
+        info["load_average_at_start"] = list(os.getloadavg())
+    if "jax" in sys.modules:  # only when the benchmark uses it: importing JAX costs seconds
+        jax = sys.modules["jax"]
+        info["jax_backend"] = jax.default_backend()
+        info["jax_devices"] = [str(d) for d in jax.devices()]
+    return info
+
+
+def jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return jsonable(x.tolist())
+    if isinstance(x, np.generic):  # numpy scalars: bool_, integer, floating
+        x = x.item()
+    if isinstance(x, (bool, int, str)) or x is None:
+        return x
+    if isinstance(x, float):
+        x = float(x)
+        return x if math.isfinite(x) else None  # JSON has no inf / nan
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def write_json(path: Path, obj) -> Path:
+    """Writes `obj` as indented JSON (numpy scalars/arrays converted, inf/nan as null)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(jsonable(obj), indent=1) + "\n")
+    return path
+
+
+class Stopwatch:
+    """`with Stopwatch() as sw: ...` then `sw.seconds` (wall clock, `time.perf_counter`)."""
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        self.seconds = None
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.start
+        return False
+
+
+def summarize(values) -> dict:
+    """mean, p50, p90, max and count of a sample (None for an empty one)."""
+    v = np.asarray(list(values), dtype=float)
+    if v.size == 0:
+        return dict(mean=None, p50=None, p90=None, max=None, count=0)
+    return dict(mean=float(v.mean()), p50=float(np.percentile(v, 50)),
+                p90=float(np.percentile(v, 90)), max=float(v.max()), count=int(v.size))
