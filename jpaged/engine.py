@@ -69,6 +69,9 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null block), got {self.num_blocks}")
         if self.kv_policy not in ("paged", "orca_max", "orca_pow2", "orca_oracle"):
             raise ValueError(f"kv_policy must be 'paged', 'orca_max', 'orca_pow2' or 'orca_oracle', got {self.kv_policy!r}")
+        if self.kv_policy != "paged" and (self.preemption_mode == "swap" or self.enable_prefix_caching):
+            raise ValueError(f"kv_policy={self.kv_policy!r} reserves contiguous runs: it supports neither swap "
+                             "nor prefix caching (use kv_policy='paged')")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
 
@@ -316,16 +319,21 @@ class LLMEngine:
                              group.is_finished, metrics)
 
     def _record_usage(self) -> None:
+        """Peak used blocks, and KV utilization: token slots holding K/V over the slots of the device
+        blocks in use (a block shared by several tables counts once; reserved-but-empty blocks of the
+        Orca baselines count as in use)."""
         bm = self.scheduler.block_manager
         used = bm.num_blocks - 1 - bm.num_free_blocks
         self.peak_used_blocks = max(self.peak_used_blocks, used)
         if used:
             filled = {}
             for seq_id in bm.seq_ids:
+                if bm.is_swapped(seq_id):  # its table holds CPU block ids
+                    continue
                 table, n = bm.block_table(seq_id), bm.num_tokens(seq_id)
                 for j, block_id in enumerate(table):
                     filled[block_id] = max(filled.get(block_id, 0), min(bm.block_size, n - j * bm.block_size))
-            self._utilization_sum += sum(filled.values()) / (len(filled) * bm.block_size)
+            self._utilization_sum += sum(filled.values()) / (used * bm.block_size)
             self._utilization_steps += 1
 
     def stats(self) -> dict:

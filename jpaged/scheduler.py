@@ -139,23 +139,25 @@ class Scheduler:
 
     def _schedule_prefill(self) -> SchedulerOutput:
         rows, row_seqs, groups = [], [], []
-        num_tokens, num_seqs = 0, self._num_live_running()
+        longest, num_seqs = 0, self._num_live_running()
         watermark = math.ceil(self.config.watermark * (self.block_manager.num_blocks - 1))
         while self.waiting:
             group = self.waiting[0]
             seqs = group.live_seqs
             fresh = all(not s.output_token_ids for s in seqs)  # fresh groups share one prompt prefill
             to_prefill = seqs[:1] if fresh else seqs
-            tokens = sum(s.num_tokens for s in to_prefill)
-            bs = self.block_manager.block_size
-            block_rounded = sum(-(-s.num_tokens // bs) * bs for s in to_prefill)  # sequences don't share blocks
             if num_seqs + len(seqs) > self.config.max_num_seqs:
                 break
-            if groups and num_tokens + tokens > self.config.max_num_batched_tokens:
+            # prefill rows are padded to the longest: count the padded tokens against the budget
+            padded = (len(rows) + len(to_prefill)) * max(longest, *(s.num_tokens for s in to_prefill))
+            if groups and padded > self.config.max_num_batched_tokens:
                 break
             idle = not (self.running or groups)
             max_new_tokens = group.params.max_tokens - len(to_prefill[0].output_token_ids)
-            if not self.block_manager.can_allocate(block_rounded, reserve=0 if idle else watermark,
+            bs = self.block_manager.block_size
+            need = (to_prefill[0].num_tokens if len(to_prefill) == 1  # sequences don't share blocks:
+                    else sum(-(-s.num_tokens // bs) * bs for s in to_prefill))  # round each up to blocks
+            if not self.block_manager.can_allocate(need, reserve=0 if idle else watermark,
                                                    max_new_tokens=max_new_tokens):
                 break
             self.waiting.popleft()
@@ -175,7 +177,7 @@ class Scheduler:
                 row_seqs.append(seqs if fresh else [seq])
             self._start(group)
             groups.append(group)
-            num_tokens += tokens
+            longest = max(longest, *(s.num_tokens for s in to_prefill))
             num_seqs += len(seqs)
         built = [self._row(seq, start, seq.num_tokens) for seq, start in rows]
         return SchedulerOutput(False, built, row_seqs, groups, DeviceOps(), [], [])
