@@ -68,6 +68,8 @@ class ModelRunner:
 
     def __init__(self, config: ModelConfig, params: LlamaParams, *, num_blocks: int, block_size: int,
                  dtype=jnp.float32, backend, num_cpu_blocks: int = 0, cache_sharding=None):
+        if params.lm_head is None:  # tied embeddings: keep a [hidden, vocab] copy so the LM head is a plain
+            params = params.replace(lm_head=jnp.asarray(params.embed.T))  # matmul (no transpose per step)
         self.config, self.params, self.backend = config, params, backend
         self.block_size = block_size
         self.cache = KVCache.create(config, num_blocks, block_size, dtype, sharding=cache_sharding)
