@@ -55,6 +55,10 @@ def _copy_blocks(cache, pairs, *, backend):
     return KVCache(k=k, v=v)
 
 
+def _read_blocks(cache, block_ids):
+    return cache.k[:, block_ids], cache.v[:, block_ids]
+
+
 def _write_blocks(cache, block_ids, k_blocks, v_blocks):
     return KVCache(k=cache.k.at[:, block_ids].set(k_blocks), v=cache.v.at[:, block_ids].set(v_blocks))
 
@@ -81,6 +85,7 @@ class ModelRunner:
             "prefill_step": jax.jit(step, donate_argnums=(1,)),
             "decode_step": jax.jit(step, donate_argnums=(1,)),
             "copy_blocks": jax.jit(functools.partial(_copy_blocks, backend=backend), donate_argnums=(0,)),
+            "read_blocks": jax.jit(_read_blocks),
             "write_blocks": jax.jit(_write_blocks, donate_argnums=(0,)),
             "sample": sample,
         }
@@ -174,9 +179,13 @@ class ModelRunner:
         """Copies device blocks to CPU blocks: mapping of (device_block_id, cpu_block_id)."""
         if not mapping:
             return
-        device_ids, cpu_ids = (np.asarray(x) for x in zip(*mapping))
-        self.cpu_k[:, cpu_ids] = np.asarray(self.cache.k[:, device_ids])
-        self.cpu_v[:, cpu_ids] = np.asarray(self.cache.v[:, device_ids])
+        n = len(mapping)
+        device_ids = np.zeros(bucket(n), np.int32)  # padded with the null block: one executable per bucket
+        device_ids[:n] = [d for d, _ in mapping]
+        cpu_ids = np.asarray([c for _, c in mapping])
+        k, v = jax.device_get(self._run("read_blocks", self.cache, device_ids))
+        self.cpu_k[:, cpu_ids] = k[:, :n]
+        self.cpu_v[:, cpu_ids] = v[:, :n]
 
     def swap_in(self, mapping: Seq[tuple[int, int]]) -> None:
         """Copies CPU blocks back to device blocks: mapping of (cpu_block_id, device_block_id)."""
