@@ -40,7 +40,6 @@ fragmentation) and, on Alpaca's short sequences, lose the sharing and batching t
 
 from __future__ import annotations
 
-import argparse
 import collections
 import statistics
 import sys
@@ -53,7 +52,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `jpaged` impo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
-from bench.throughput import TRACE_PARAMS, Workload, enable_compile_cache, make_workload  # noqa: E402
+from bench.throughput import TRACE_PARAMS, Workload, make_workload  # noqa: E402
 
 PRESETS = {
     "quick": dict(block_sizes=(4, 8, 16, 32, 64), pool_slots=256, rounds=1,
@@ -370,16 +369,10 @@ def print_table(out: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="5 block sizes, 2 x 16 requests, a 256-slot pool")
-    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = common.bench_parser(__doc__.splitlines()[0], "5 block sizes, 2 x 16 requests, a 256-slot pool")
     parser.add_argument("--rounds", type=int, help="repeat every run this many times (median reported)")
-    parser.add_argument("--compile-cache", default=str(Path.home() / ".cache" / "jpaged" / "xla"),
-                        help="JAX persistent compilation cache directory ('none': off)")
     args = parser.parse_args(argv)
-    if args.compile_cache != "none":
-        enable_compile_cache(args.compile_cache)
+    common.use_compile_cache(args)
     preset_name = "quick" if args.quick else "full"
     preset = dict(PRESETS[preset_name])
     if args.rounds:

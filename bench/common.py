@@ -105,3 +105,38 @@ def summarize(values) -> dict:
         return dict(mean=None, p50=None, p90=None, max=None, count=0)
     return dict(mean=float(v.mean()), p50=float(np.percentile(v, 50)),
                 p90=float(np.percentile(v, 90)), max=float(v.max()), count=int(v.size))
+
+
+DEFAULT_COMPILE_CACHE = str(Path.home() / ".cache" / "jpaged" / "xla")
+
+
+def enable_compile_cache(path: str) -> None:
+    """JAX's persistent compilation cache: a rerun loads its step executables instead of compiling."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def add_compile_cache_argument(parser) -> None:
+    parser.add_argument("--compile-cache", default=DEFAULT_COMPILE_CACHE,
+                        help="JAX persistent compilation cache directory ('none': off)")
+
+
+def use_compile_cache(args) -> None:
+    """Turns on the cache named by `--compile-cache` unless it is 'none'."""
+    if args.compile_cache != "none":
+        enable_compile_cache(args.compile_cache)
+
+
+def bench_parser(description: str, quick_help: str):
+    """The arguments every engine benchmark shares: --quick, --out, --seed, --compile-cache."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--seed", type=int, default=0)
+    add_compile_cache_argument(parser)
+    return parser

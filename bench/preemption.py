@@ -31,7 +31,6 @@ transfers), recompute is never more than 20% slower than swap, and they are clos
 
 from __future__ import annotations
 
-import argparse
 import collections
 import sys
 import time
@@ -44,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `jpaged` impo
 
 from bench import common  # noqa: E402
 from bench.block_size import ShapeClock, cost_run, interleave, make_llm, serve, warm_up  # noqa: E402
-from bench.throughput import TRACE_PARAMS, enable_compile_cache, make_workload  # noqa: E402
+from bench.throughput import TRACE_PARAMS, make_workload  # noqa: E402
 
 MODES = ("recompute", "swap")
 PRESETS = {
@@ -203,15 +202,9 @@ def print_table(out: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="block sizes 16 and 32, 16 requests, a 256-slot pool")
-    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile-cache", default=str(Path.home() / ".cache" / "jpaged" / "xla"),
-                        help="JAX persistent compilation cache directory ('none': off)")
+    parser = common.bench_parser(__doc__.splitlines()[0], "block sizes 16 and 32, 16 requests, a 256-slot pool")
     args = parser.parse_args(argv)
-    if args.compile_cache != "none":
-        enable_compile_cache(args.compile_cache)
+    common.use_compile_cache(args)
     preset_name = "quick" if args.quick else "full"
     preset = PRESETS[preset_name]
     start = time.perf_counter()

@@ -37,7 +37,6 @@ Paper (OPT-13B, Alpaca): parallel sampling saves 6.09 / 8.53 / 9.79 %, beam sear
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -52,7 +51,6 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `jpaged` impo
 from bench import common  # noqa: E402
 from bench import traces as traces_lib  # noqa: E402
 from bench.block_size import interleave  # noqa: E402
-from bench.throughput import enable_compile_cache  # noqa: E402
 
 PAPER_ALPACA = {"parallel": {2: 6.09, 4: 8.53, 6: 9.79}, "beam": {2: 37.56, 4: 53.13, 6: 55.16}}
 PAPER_SHAREGPT_RANGE = {"parallel": (16.2, 30.5), "beam": (44.3, 66.3)}
@@ -369,15 +367,9 @@ def print_table(out: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 prompts, max 32 tokens; 16 shared-prefix requests")
-    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile-cache", default=str(Path.home() / ".cache" / "jpaged" / "xla"),
-                        help="JAX persistent compilation cache directory ('none': off)")
+    parser = common.bench_parser(__doc__.splitlines()[0], "4 prompts, max 32 tokens; 16 shared-prefix requests")
     args = parser.parse_args(argv)
-    if args.compile_cache != "none":
-        enable_compile_cache(args.compile_cache)
+    common.use_compile_cache(args)
     preset_name = "quick" if args.quick else "full"
     preset = PRESETS[preset_name]
     start = time.perf_counter()

@@ -527,15 +527,6 @@ def run(preset: str = "quick", scale: int | None = None, systems=SYSTEMS, seed: 
     return out
 
 
-def enable_compile_cache(path: str) -> None:
-    """JAX's persistent compilation cache: a rerun loads its step executables instead of compiling."""
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 # ---- reporting ---------------------------------------------------------------------------------
 
 COLORS = dict(paged="tab:green", orca_max="tab:red", orca_pow2="tab:orange", orca_oracle="tab:blue")
@@ -628,11 +619,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="what a step costs: the process's CPU seconds in it (default), or wall seconds")
-    parser.add_argument("--compile-cache", default=str(Path.home() / ".cache" / "jpaged" / "xla"),
-                        help="JAX persistent compilation cache directory ('none': off)")
+    common.add_compile_cache_argument(parser)
     args = parser.parse_args(argv)
-    if args.compile_cache != "none":
-        enable_compile_cache(args.compile_cache)
+    common.use_compile_cache(args)
     start = time.perf_counter()
     out = run("quick" if args.quick else args.preset, scale=args.scale, systems=tuple(args.systems), seed=args.seed,
               rates=args.rates, num_rates=args.num_rates, requests=args.requests, clock=args.clock)
