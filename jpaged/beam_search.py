@@ -19,6 +19,7 @@ same `length_penalty` and `early_stopping` semantics, rewritten over the paged b
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jpaged.sequence import Sequence, SequenceGroup
 
@@ -37,7 +38,7 @@ def _state(group: SequenceGroup) -> BeamState:
     return group.beam_state
 
 
-def step(engine, group: SequenceGroup, beams: list[tuple[Sequence, "np.ndarray", "np.ndarray"]]) -> None:
+def step(engine, group: SequenceGroup, beams: list[tuple[Sequence, Any, Any]]) -> None:
     """Advances `group` by one token. `beams`: (running beam, top token ids, their log-probs), top >= 2k."""
     p = group.params
     k = p.beam_width

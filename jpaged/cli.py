@@ -143,8 +143,6 @@ def generate(args) -> int:
 
 def _stream(llm, prompt, params):
     """Runs one request, printing its text as it grows; returns its final RequestOutput."""
-    from jpaged.outputs import RequestOutput  # noqa: F401  (type of the returned value)
-
     engine = llm.engine
     engine.add_request("0", prompt, params)
     compile_before = engine.runner.compile_seconds

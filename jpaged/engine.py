@@ -30,7 +30,7 @@ from jpaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jpaged.runner import ModelRunner, SampleRow
 from jpaged.sampling_params import SamplingParams
 from jpaged.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from jpaged.sequence import GroupStatus, Sequence, SequenceGroup
+from jpaged.sequence import Sequence, SequenceGroup
 
 logger = logging.getLogger("jpaged")
 

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from jpaged.engine import EngineConfig, LLMEngine
 from jpaged.loader import LoadedModel
 from jpaged.outputs import RequestOutput
-from jpaged.sampling_params import SamplingParams, as_list
+from jpaged.sampling_params import as_list
 
 
 class LLM:
