@@ -356,6 +356,8 @@ def main(argv=None) -> dict:
         (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
         subtitle = (f"{machine['model_name']}, {machine['nproc']} cores; machine load (1 min) "
                     f"{machine['loadavg_at_start'][0]:.1f} at start, {loadavg_end[0]:.1f} at end")
+        if reuse:
+            subtitle += f" (reused runs {','.join(sorted(reuse))}: measured earlier, per-run load in the JSON)"
         if table:
             plot(table, ratio, num_requests, out_dir / f"{stem}.png", subtitle)
         return report
