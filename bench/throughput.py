@@ -116,7 +116,7 @@ def make_workload(name: str, num: int, seed: int, scale: int) -> Workload:
 class Step:
     """One engine step as the benchmark saw it (seconds exclude compilation and engine statistics)."""
 
-    signature: tuple  # its padded device shape: ("decode", rows, width) or ("prefill", rows, q_len, width)
+    signature: tuple  # its compiled step: ("decode" | "prefill", the shapes of its ModelInputs)
     cpu: float  # CPU seconds of the process (all threads) in `engine.step()`
     wall: float  # wall seconds of `engine.step()`
     device_cpu: float  # of the CPU seconds, those of the model step and the sampler
@@ -171,7 +171,7 @@ class Bench:
             self.model = load_model(None, dtype=getattr(jnp, dtype))
         self.load_seconds = sw.seconds
         self.runner = None
-        self.shape = None  # the last step's (decode, rows, real tokens, padded rows, q_len, width)
+        self.shape = None  # the last step's (decode, rows, real tokens, packed tokens, input shapes)
         self.device = [0.0, 0.0]  # wall, CPU seconds in the model step and sampler (compile-free runs)
         self.excluded = [0.0, 0.0]  # wall, CPU seconds of compiling calls and engine statistics
         self.device_times: dict = collections.defaultdict(list)  # signature -> (wall, cpu) per run
@@ -201,8 +201,8 @@ class Bench:
 
         def logged_make_inputs(rows, *, decode):
             inputs = make_inputs(rows, decode=decode)
-            self.shape = (decode, len(rows), sum(len(r.token_ids) for r in rows),
-                          *inputs.token_ids.shape, inputs.block_tables.shape[1])
+            self.shape = (decode, len(rows), sum(len(r.token_ids) for r in rows), inputs.token_ids.shape[0],
+                          inputs.shape_key)
             return inputs
 
         def timed(fn):
@@ -297,18 +297,18 @@ class Bench:
             cpu -= self.excluded[1] - excluded[1]
             device_cpu = self.device[1] - device[1]
             if self.shape is not None:
-                decode, rows, computed, padded_rows, q_len, width = self.shape
-                signature = ("decode", padded_rows, width) if decode else ("prefill", padded_rows, q_len, width)
+                decode, rows, computed, padded_tokens, shapes = self.shape
+                signature = ("decode" if decode else "prefill", shapes)
                 self.device_times[signature].append((self.device[0] - device[0], device_cpu))
             else:
-                signature, rows, computed, padded_rows, q_len = ("empty",), 0, 0, 0, 0
+                signature, rows, computed, padded_tokens = ("empty",), 0, 0, 0
             backlogged = bool(scheduler.waiting)
             finished = tuple(o.request_id for o in outs if o.finished)
             outputs.update((o.request_id, o.outputs[0]) for o in outs if o.finished)
             bm = scheduler.block_manager
             used = (bm.num_blocks - 1 - bm.num_free_blocks) * BLOCK_SIZE
             tokens = sum(bm.num_tokens(s) for s in bm.seq_ids) if used else 0
-            step = Step(signature, cpu, wall, device_cpu, clock, 0.0, rows, computed, padded_rows * q_len,
+            step = Step(signature, cpu, wall, device_cpu, clock, 0.0, rows, computed, padded_tokens,
                         len(scheduler.running), tokens, used, backlogged, finished)
             step = dataclasses.replace(step, cost=self.step_cost(step))
             steps.append(step)

@@ -3,18 +3,20 @@
 A backend is static configuration (frozen, hashable) with three operations on the stacked pool
 `f[num_layers, num_blocks, block_size, num_kv_heads, head_dim]` and a traced `layer` index:
 
-  write_kv(k_pool, v_pool, layer, k, v, slot_mapping)        -> (k_pool, v_pool)
-  attend(q, k_pool, v_pool, layer, block_tables, context_lens, positions, scale) -> out
-  copy_blocks(k_pool, v_pool, pairs)                          -> (k_pool, v_pool)
+  write_kv(k_pool, v_pool, layer, k, v, slot_mapping)   -> (k_pool, v_pool)
+  attend(q, k_pool, v_pool, layer, inputs, scale)       -> out
+  copy_blocks(k_pool, v_pool, pairs)                     -> (k_pool, v_pool)
 
-`XLABackend` is the CPU fast path: one gather of each sequence's blocks through its block table.
+Query layout: `q f[N, num_heads, head_dim]`, the packed new tokens of a `jpaged.batch.ModelInputs`;
+the token at absolute position p of a row may attend to every cached position <= p of that row.
+This one rule covers decode (one token per row), prefill and prefill on top of cached context
+(prefix caching, recompute).
+
+`XLABackend` is the CPU fast path: it follows the inputs' `AttentionPlan` (query tile x key tile
+pairs, partial softmaxes merged per query tile), so each row's cost is its own context length.
 `PallasBackend` runs the kernels of `pallas_kernels` (compiled on a GPU, `interpret=True` on a
 CPU for tests). Both compute exact softmax attention; only the storage layout is paged.
-
-Query layout: `q f[batch, q_len, num_heads, head_dim]`, where query token t of sequence b sits at
-absolute position `positions[b, t]` and may attend to every cached position `p <= positions[b, t]`
-with `p < context_lens[b]`. This one rule covers decode (q_len 1), prefill and prefill on top of
-cached context (prefix caching, recompute).
+`gather_attend` is the plain reference (one padded gather of every row's block table).
 """
 
 from __future__ import annotations
@@ -34,18 +36,100 @@ def xla_write_kv(k_pool, v_pool, layer, k, v, slot_mapping):
     return k_pool, v_pool
 
 
-def xla_attend(q, k_pool, v_pool, layer, block_tables, context_lens, positions, scale):
-    """Exact attention through block tables, by gathering each sequence's blocks.
+def _visible(plan, key_tile):
+    """bool[P, TQ, TK]: which keys of its key tile each query slot of a pair may see (causal, in context)."""
+    q_pos = plan.q_positions[plan.pair_q]  # [P, TQ]
+    k_pos = plan.k_start[plan.pair_k][:, None] + jnp.arange(key_tile)  # [P, TK]
+    return (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] < plan.pair_len[:, None, None])
+
+
+def _softmax_partials(scores, visible):
+    """scores f32[..., TK] masked by `visible` -> (row max, row sum, probabilities) of the tile."""
+    scores = jnp.where(visible, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # a slot that sees no key of this tile
+    probs = jnp.exp(scores - row_max[..., None])  # masked -> exactly 0
+    return row_max, jnp.sum(probs, axis=-1), probs
+
+
+def _decode_partials(q, k_pool, v_pool, layer, plan, scale):
+    """Query tiles of one token: per pair (max, sum) f32[P, KVH, G] and unnormalised output [P, KVH, G, D]."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_pool.shape[3]
+    num_pairs = plan.pair_q.shape[0]
+    blocks = plan.k_blocks[plan.pair_k]  # [P, blocks per key tile]
+    k = k_pool[layer, blocks].reshape(num_pairs, -1, num_kv_heads, head_dim)  # [P, TK, KVH, D]
+    v = v_pool[layer, blocks].reshape(num_pairs, -1, num_kv_heads, head_dim)
+    q_pairs = (q[plan.q_index] * scale)[plan.pair_q].reshape(num_pairs, 1, num_kv_heads, -1, head_dim)
+    scores = jnp.einsum("ptkgd,pskd->pkgts", q_pairs, k, preferred_element_type=jnp.float32)
+    row_max, row_sum, probs = _softmax_partials(scores, _visible(plan, k.shape[1])[:, None, None])
+    partial = jnp.einsum("pkgts,pskd->pkgtd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return row_max[..., 0], row_sum[..., 0], partial[..., 0, :]
+
+
+def _prefill_partials(q, k_pool, v_pool, layer, plan, scale):
+    """Query tiles of TQ tokens: per pair (max, sum) f32[P, KVH, G * TQ] and output [P, KVH, G * TQ, D]
+    (the G query heads that share a KV head stack with the tile's tokens into one matrix)."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_pool.shape[3]
+    group = num_heads // num_kv_heads
+    num_q_tiles, q_tile = plan.q_index.shape
+    num_pairs = plan.pair_q.shape[0]
+    blocks = plan.k_blocks[plan.pair_k]
+
+    def key_tiles(pool):  # -> [P, KVH, TK, D]: batch dimensions leading, as the batched matmuls want
+        return pool[layer, blocks].reshape(num_pairs, -1, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
+
+    k, v = key_tiles(k_pool), key_tiles(v_pool)
+    q_tiles = (q[plan.q_index] * scale).reshape(num_q_tiles, q_tile, num_kv_heads, group, head_dim)
+    q_tiles = q_tiles.transpose(0, 2, 3, 1, 4).reshape(num_q_tiles, num_kv_heads, group * q_tile, head_dim)
+    scores = jnp.einsum("pkmd,pksd->pkms", q_tiles[plan.pair_q], k, preferred_element_type=jnp.float32)
+    visible = jnp.tile(_visible(plan, k.shape[2]), (1, group, 1))[:, None]  # [P, 1, G * TQ, TK]
+    row_max, row_sum, probs = _softmax_partials(scores, visible)
+    partial = jnp.einsum("pkms,pksd->pkmd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return row_max, row_sum, partial
+
+
+def xla_attend(q, k_pool, v_pool, layer, plan, scale):
+    """Exact causal attention over the pairs of an `AttentionPlan` (see `jpaged.batch`).
+
+    q f[N, H, D] (packed new tokens) -> f[N, H, D]. Every pair computes the partial softmax of
+    one query tile over one key tile (gathered block by block from the pool); each query tile then
+    merges its pairs' partials by their running maxima. Work is proportional to the pairs, i.e. to
+    the tokens each row really attends to, whatever the other rows' lengths. Decode (one-token
+    query tiles) and prefill lay the tiles out differently: each is the faster layout on XLA CPU.
+    """
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_pool.shape[3]
+    num_q_tiles, q_tile = plan.q_index.shape
+    partials = _decode_partials if q_tile == 1 else _prefill_partials
+    row_max, row_sum, partial = partials(q, k_pool, v_pool, layer, plan, scale)
+
+    # merge: each query tile combines its pairs (tile_pairs -1 = no pair)
+    valid = plan.tile_pairs >= 0  # [NQ, MP]
+    index = jnp.maximum(plan.tile_pairs, 0)
+    sums = jnp.where(valid[..., None, None], row_sum[index], 0.0)  # [NQ, MP, KVH, G * TQ] (or G, TQ = 1)
+    maxes = jnp.where(sums > 0, row_max[index], -jnp.inf)
+    top = jnp.max(maxes, axis=1, keepdims=True)
+    weights = jnp.exp(maxes - jnp.where(jnp.isfinite(top), top, 0.0))  # pairs that saw nothing -> 0
+    total = jnp.sum(weights * sums, axis=1)  # [NQ, KVH, G * TQ]
+    out = jnp.sum(weights[..., None] * partial[index], axis=1) / jnp.where(total > 0, total, 1.0)[..., None]
+    out = out.reshape(num_q_tiles, num_kv_heads, num_heads // num_kv_heads, q_tile, head_dim).transpose(0, 3, 1, 2, 4)
+    return out.reshape(num_q_tiles * q_tile, num_heads, head_dim)[plan.token_slot].astype(q.dtype)
+
+
+def gather_attend(q, k_pool, v_pool, layer, block_tables, context_lens, positions, scale):
+    """Reference: attention by gathering each row's whole block table (padded rows and tokens).
 
     q f[B, T, H, D]; block_tables i32[B, M]; context_lens i32[B]; positions i32[B, T] -> f[B, T, H, D].
+    Query token t of row b attends to every cached position p <= positions[b, t], p < context_lens[b].
+    Simple and exact, but every row pays for the widest table: tests compare `xla_attend` with it.
     """
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[3]
     group = num_heads // num_kv_heads
-    k = k_pool[layer, block_tables]  # [B, M, bs, KVH, D]
-    v = v_pool[layer, block_tables]
-    k = k.reshape(batch, -1, num_kv_heads, head_dim)  # [B, S, KVH, D], S = M * bs, logical order
-    v = v.reshape(batch, -1, num_kv_heads, head_dim)
+    k = k_pool[layer, block_tables].reshape(batch, -1, num_kv_heads, head_dim)  # [B, S, KVH, D]
+    v = v_pool[layer, block_tables].reshape(batch, -1, num_kv_heads, head_dim)
     qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     key_pos = jnp.arange(k.shape[1])
@@ -72,8 +156,8 @@ class XLABackend:
     def write_kv(self, k_pool, v_pool, layer, k, v, slot_mapping):
         return xla_write_kv(k_pool, v_pool, layer, k, v, slot_mapping)
 
-    def attend(self, q, k_pool, v_pool, layer, block_tables, context_lens, positions, scale):
-        return xla_attend(q, k_pool, v_pool, layer, block_tables, context_lens, positions, scale)
+    def attend(self, q, k_pool, v_pool, layer, inputs, scale):
+        return xla_attend(q, k_pool, v_pool, layer, inputs.plan, scale)
 
     def copy_blocks(self, k_pool, v_pool, pairs):
         return xla_copy_blocks(k_pool, v_pool, pairs)

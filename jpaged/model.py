@@ -13,31 +13,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import struct
-
+from jpaged.batch import ModelInputs
 from jpaged.config import ModelConfig
 from jpaged.kv_cache import KVCache
 from jpaged.params import LlamaParams
-
-
-@struct.dataclass
-class ModelInputs:
-    """One step's batch, padded to a shape bucket. Padded rows and tokens point at the null block.
-
-    token_ids     i32[B, T]  new tokens (T = 1 for decode)
-    positions     i32[B, T]  their absolute positions in their sequence
-    slot_mapping  i32[B, T]  where each new token's K/V is written (padding: a slot of block 0)
-    block_tables  i32[B, M]  physical block ids in logical order (padding: 0)
-    context_lens  i32[B]     tokens of each sequence in the cache after this step (padding rows: 0)
-    query_lens    i32[B]     valid new tokens per row (logits are taken at index query_lens - 1)
-    """
-
-    token_ids: jax.Array
-    positions: jax.Array
-    slot_mapping: jax.Array
-    block_tables: jax.Array
-    context_lens: jax.Array
-    query_lens: jax.Array
 
 
 def rms_norm(x, weight, eps):
@@ -47,43 +26,39 @@ def rms_norm(x, weight, eps):
 
 
 def rope(x, positions, theta):
-    """Rotate-half RoPE. x f[B, T, heads, D], positions i32[B, T]."""
+    """Rotate-half RoPE. x f[N, heads, D], positions i32[N]."""
     head_dim = x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    cos = jnp.concatenate([jnp.cos(freqs)] * 2, axis=-1)[:, :, None, :]
-    sin = jnp.concatenate([jnp.sin(freqs)] * 2, axis=-1)[:, :, None, :]
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [N, D/2]
+    cos = jnp.concatenate([jnp.cos(freqs)] * 2, axis=-1)[:, None, :]
+    sin = jnp.concatenate([jnp.sin(freqs)] * 2, axis=-1)[:, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
 def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config: ModelConfig, backend):
-    """Runs the decoder on `inputs`, writing their K/V into `cache`. Returns (cache, hidden f[B, T, hidden])."""
-    batch, q_len = inputs.token_ids.shape
+    """Runs the decoder on the packed tokens of `inputs`, writing their K/V into `cache`.
+
+    Returns (cache, hidden f[N, hidden]), one hidden state per packed token.
+    """
     scale = config.head_dim ** -0.5
     x = params.embed[inputs.token_ids]
-    flat_slots = inputs.slot_mapping.reshape(-1)
 
     def layer(carry, layer_inputs):
         x, k_pool, v_pool = carry
         p, layer_id = layer_inputs
         h = rms_norm(x, p.attn_norm, config.rms_norm_eps)
-        q = jnp.einsum("bth,hnd->btnd", h, p.wq)
-        k = jnp.einsum("bth,hnd->btnd", h, p.wk)
-        v = jnp.einsum("bth,hnd->btnd", h, p.wv)
-        q = rope(q, inputs.positions, config.rope_theta)
-        k = rope(k, inputs.positions, config.rope_theta)
-        k_pool, v_pool = backend.write_kv(
-            k_pool, v_pool, layer_id,
-            k.reshape(batch * q_len, *k.shape[2:]), v.reshape(batch * q_len, *v.shape[2:]), flat_slots)
-        attn = backend.attend(q, k_pool, v_pool, layer_id, inputs.block_tables, inputs.context_lens,
-                              inputs.positions, scale)
-        x = x + jnp.einsum("btnd,ndh->bth", attn, p.wo)
+        q = rope(jnp.einsum("th,hnd->tnd", h, p.wq), inputs.positions, config.rope_theta)
+        k = rope(jnp.einsum("th,hnd->tnd", h, p.wk), inputs.positions, config.rope_theta)
+        v = jnp.einsum("th,hnd->tnd", h, p.wv)
+        k_pool, v_pool = backend.write_kv(k_pool, v_pool, layer_id, k, v, inputs.slot_mapping)
+        attn = backend.attend(q, k_pool, v_pool, layer_id, inputs, scale)
+        x = x + jnp.einsum("tnd,ndh->th", attn, p.wo)
         h = rms_norm(x, p.mlp_norm, config.rms_norm_eps)
-        gate = jnp.einsum("bth,hi->bti", h, p.w_gate)
-        up = jnp.einsum("bth,hi->bti", h, p.w_up)
-        x = x + jnp.einsum("bti,ih->bth", jax.nn.silu(gate) * up, p.w_down)
+        gate = jnp.einsum("th,hi->ti", h, p.w_gate)
+        up = jnp.einsum("th,hi->ti", h, p.w_up)
+        x = x + jnp.einsum("ti,ih->th", jax.nn.silu(gate) * up, p.w_down)
         return (x, k_pool, v_pool), None
 
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
@@ -99,9 +74,3 @@ def compute_logits(params: LlamaParams, hidden) -> jax.Array:
     else:
         logits = jnp.einsum("...h,hv->...v", hidden, params.lm_head)
     return logits.astype(jnp.float32)
-
-
-def last_token_hidden(hidden, query_lens):
-    """hidden f[B, T, H] -> f[B, H] at each row's last valid new token."""
-    index = jnp.maximum(query_lens - 1, 0)
-    return jnp.take_along_axis(hidden, index[:, None, None], axis=1)[:, 0]

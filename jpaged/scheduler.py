@@ -139,7 +139,7 @@ class Scheduler:
 
     def _schedule_prefill(self) -> SchedulerOutput:
         rows, row_seqs, groups = [], [], []
-        longest, num_seqs = 0, self._num_live_running()
+        num_tokens, num_seqs = 0, self._num_live_running()
         watermark = math.ceil(self.config.watermark * (self.block_manager.num_blocks - 1))
         while self.waiting:
             group = self.waiting[0]
@@ -148,9 +148,8 @@ class Scheduler:
             to_prefill = seqs[:1] if fresh else seqs
             if num_seqs + len(seqs) > self.config.max_num_seqs:
                 break
-            # prefill rows are padded to the longest: count the padded tokens against the budget
-            padded = (len(rows) + len(to_prefill)) * max(longest, *(s.num_tokens for s in to_prefill))
-            if groups and padded > self.config.max_num_batched_tokens:
+            # prefill rows are packed (no per-row padding): the budget counts the tokens computed
+            if groups and num_tokens + sum(s.num_tokens for s in to_prefill) > self.config.max_num_batched_tokens:
                 break
             idle = not (self.running or groups)
             max_new_tokens = group.params.max_tokens - len(to_prefill[0].output_token_ids)
@@ -177,7 +176,7 @@ class Scheduler:
                 row_seqs.append(seqs if fresh else [seq])
             self._start(group)
             groups.append(group)
-            longest = max(longest, *(s.num_tokens for s in to_prefill))
+            num_tokens += sum(s.num_tokens - c for s, c in zip(to_prefill, cached))
             num_seqs += len(seqs)
         built = [self._row(seq, start, seq.num_tokens) for seq, start in rows]
         return SchedulerOutput(False, built, row_seqs, groups, DeviceOps(), [], [])

@@ -21,8 +21,9 @@ from conftest import chat_token_ids
 from dense_reference import dense_logits
 from jpaged import LLM, SamplingParams
 from jpaged.attention import XLABackend
+from jpaged.batch import pack_rows
 from jpaged.kv_cache import KVCache
-from jpaged.model import ModelInputs, compute_logits, forward
+from jpaged.model import compute_logits, forward
 from jpaged.scheduler import Row
 
 PREFILL_PROMPTS = (0, 3, 8, 9, 10)  # chat lengths 58, 42, 73, 100, 54 tokens
@@ -48,25 +49,19 @@ def shuffled_block_ids(num_blocks: int, seed: int) -> tuple[int, ...]:
 
 
 def paged_prefill_logits(params, config, token_id_lists, *, block_size: int, seed: int) -> list[np.ndarray]:
-    """Prefills all sequences in one batch through `jpaged.model.forward`, each into blocks drawn at
-    random from a fresh pool, and returns each sequence's logits f32[len, vocab] at every position.
-    The inputs are built here, not by the runner: right-padded rows, padding written to slot 0."""
+    """Prefills all sequences in one packed batch through `jpaged.model.forward`, each into blocks
+    drawn at random from a fresh pool, and returns each sequence's logits f32[len, vocab] at every
+    position. Block tables and slots are drawn here; `pack_rows` lays the rows end to end, with
+    small query and key tiles so that every row spans several of both."""
     lengths = [len(ids) for ids in token_id_lists]
-    batch, q_len = len(lengths), -(-max(lengths) // 16) * 16
-    width = -(-q_len // block_size)
-    num_blocks = 1 + batch * width + 7  # a few blocks nobody uses
+    num_blocks = 1 + sum(-(-n // block_size) for n in lengths) + 7  # a few blocks nobody uses
     free = list(shuffled_block_ids(num_blocks, seed))
-    tables = np.zeros((batch, width), np.int32)
-    token_ids, positions, slots = (np.zeros((batch, q_len), np.int32) for _ in range(3))
-    for b, ids in enumerate(token_id_lists):
-        n = len(ids)
-        num_used = -(-n // block_size)
-        tables[b, :num_used] = [free.pop() for _ in range(num_used)]
-        token_ids[b, :n] = ids
-        positions[b, :n] = np.arange(n)
-        slots[b, :n] = tables[b, np.arange(n) // block_size] * block_size + np.arange(n) % block_size
-    inputs = ModelInputs(token_ids=token_ids, positions=positions, slot_mapping=slots, block_tables=tables,
-                         context_lens=np.asarray(lengths, np.int32), query_lens=np.asarray(lengths, np.int32))
+    rows = []
+    for ids in token_id_lists:
+        table = [free.pop() for _ in range(-(-len(ids) // block_size))]
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(len(ids))]
+        rows.append(Row(token_ids=list(ids), start_position=0, slots=slots, block_table=table))
+    inputs = pack_rows(rows, block_size=block_size, q_tile=8, k_tile=2 * block_size)
     cache = KVCache.create(config, num_blocks, block_size, np.float32)
 
     @jax.jit
@@ -75,7 +70,8 @@ def paged_prefill_logits(params, config, token_id_lists, *, block_size: int, see
         return compute_logits(params, hidden)
 
     logits = np.asarray(run(params, cache, inputs))
-    return [logits[b, :n] for b, n in enumerate(lengths)]
+    starts = np.cumsum([0] + lengths)
+    return [logits[s:s + n] for s, n in zip(starts, lengths)]
 
 
 def hf_logits(model, token_ids) -> np.ndarray:

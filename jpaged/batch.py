@@ -1,0 +1,167 @@
+"""One step's batch as device arrays: the scheduler's rows, packed token by token, plus the
+*attention plan* that tells the XLA attention path which (query tile, key tile) pairs to compute.
+
+Packing. The new tokens of all rows are laid end to end (`token_ids i32[N]`, no per-row padding),
+so a prefill of a 1,000-token and a 40-token prompt costs 1,040 token-steps of the matmuls, not
+2 x 1,024. Only the total N is padded, to a power of two; padded tokens write to the null block.
+
+Attention plan (the XLA path; the Pallas decode kernel reads `block_tables` instead). Each row's
+new tokens are cut into *query tiles* of `q_tile` tokens and its context (cached + new tokens)
+into *key tiles* of `k_tile` tokens (whole blocks). A *pair* is a query tile and a key tile of the
+same row whose first key position is <= the tile's last query position: every pair is work that
+causal attention needs, and no other work is done. Each pair yields a partial softmax (running
+max, sum, weighted values); each query tile merges its pairs' partials (flash-decoding style), so
+a long sequence no longer widens every other row's attention to its length.
+
+Shapes are bucketed (one compiled step per bucket combination): powers of two, and for the packed
+tokens and the pairs, which carry the work, four steps between powers of two (`fine_bucket`). Padding:
+query-tile slots past a row's tokens have position -1 (they see nothing and are never read back),
+padded pairs point at key tile 0 with context length 0 (fully masked), padded key tiles read the
+null block, and `tile_pairs` entries past a tile's pair count are -1 (skipped in the merge).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+import jax
+import numpy as np
+from flax import struct
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    n = max(n, minimum)
+    return 1 << (n - 1).bit_length()
+
+
+def fine_bucket(n: int, minimum: int = 1) -> int:
+    """Smallest multiple of an eighth of bucket(n) that is >= max(n, minimum): four shapes between
+    two powers of two, padding under a quarter of n. For the dimensions that carry the matmul work."""
+    n = max(n, minimum)
+    step = max(bucket(n) // 8, 1)
+    return -(-n // step) * step
+
+
+@struct.dataclass
+class AttentionPlan:
+    """Which query tiles attend to which key tiles (see the module docstring).
+
+    q_index     i32[NQ, TQ]  packed token index of each query-tile slot (padding: 0)
+    q_positions i32[NQ, TQ]  absolute position of each slot (padding: -1, sees no key)
+    k_blocks    i32[NK, TK // block_size]  physical blocks of each key tile, in logical order
+    k_start     i32[NK]      absolute position of each key tile's first token
+    pair_q      i32[P]       query tile of each pair
+    pair_k      i32[P]       key tile of each pair
+    pair_len    i32[P]       context length of the pair's row (keys at positions >= it are masked)
+    tile_pairs  i32[NQ, MP]  the pairs of each query tile (padding: -1)
+    token_slot  i32[N]       where each packed token sits in the flattened [NQ * TQ] query tiles
+    """
+
+    q_index: jax.Array
+    q_positions: jax.Array
+    k_blocks: jax.Array
+    k_start: jax.Array
+    pair_q: jax.Array
+    pair_k: jax.Array
+    pair_len: jax.Array
+    tile_pairs: jax.Array
+    token_slot: jax.Array
+
+
+@struct.dataclass
+class ModelInputs:
+    """One step's packed batch: row b's new tokens are consecutive and end at `logits_index[b]`.
+
+    token_ids     i32[N]     new tokens of all rows, end to end (padding: 0)
+    positions     i32[N]     their absolute positions in their sequence
+    slot_mapping  i32[N]     where each new token's K/V is written (padding: a slot of the null block)
+    logits_index  i32[B]     the packed index of each row's last new token (padding rows: 0)
+    block_tables  i32[B, M]  physical block ids in logical order (padding: 0); the Pallas kernel's view
+    context_lens  i32[B]     tokens of each row in the cache after this step (padding rows: 0)
+    plan          the XLA path's attention plan
+    """
+
+    token_ids: jax.Array
+    positions: jax.Array
+    slot_mapping: jax.Array
+    logits_index: jax.Array
+    block_tables: jax.Array
+    context_lens: jax.Array
+    plan: AttentionPlan
+
+    @property
+    def shape_key(self) -> tuple:
+        """Every array's shape: one compiled step per distinct key."""
+        return tuple(x.shape for x in jax.tree.leaves(self))
+
+
+def pack_rows(rows: Seq, *, block_size: int, q_tile: int, k_tile: int) -> ModelInputs:
+    """Packs scheduler rows (`token_ids`, `start_position`, `slots`, `block_table`) into `ModelInputs`.
+
+    A row computes its tokens at positions start_position.. and then holds start_position +
+    len(token_ids) tokens; `block_table` covers all of them. `k_tile` must be a multiple of
+    `block_size`.
+    """
+    if k_tile % block_size:
+        raise ValueError(f"k_tile ({k_tile}) must be a multiple of block_size ({block_size})")
+    blocks_per_tile = k_tile // block_size
+    lens = [len(r.token_ids) for r in rows]
+    total = sum(lens)
+    num_tokens = fine_bucket(total, 16) if max(lens) > 1 else bucket(total)
+    token_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    slots = np.zeros(num_tokens, np.int32)
+    num_rows = bucket(len(rows))
+    logits_index = np.zeros(num_rows, np.int32)
+    context_lens = np.zeros(num_rows, np.int32)
+    width = bucket(max(len(r.block_table) for r in rows), 4)
+    block_tables = np.zeros((num_rows, width), np.int32)
+
+    q_tiles, k_tiles, pairs = [], [], []  # (start token, count, first pos) / (blocks, start pos) / (qt, kt, len)
+    start = 0
+    for b, r in enumerate(rows):
+        n, first = lens[b], r.start_position
+        context = first + n
+        token_ids[start:start + n] = r.token_ids
+        positions[start:start + n] = np.arange(first, context)
+        slots[start:start + n] = r.slots
+        logits_index[b] = start + n - 1
+        context_lens[b] = context
+        block_tables[b, :len(r.block_table)] = r.block_table
+        row_k = len(k_tiles)
+        for t in range(-(-context // k_tile)):
+            k_tiles.append((r.block_table[t * blocks_per_tile:(t + 1) * blocks_per_tile], t * k_tile))
+        for t0 in range(0, n, q_tile):
+            qt = len(q_tiles)
+            q_tiles.append((start + t0, min(q_tile, n - t0), first + t0))
+            last_position = first + min(t0 + q_tile, n) - 1
+            pairs.extend((qt, row_k + t, context) for t in range(last_position // k_tile + 1))
+        start += n
+
+    num_q, num_k, num_pairs = bucket(len(q_tiles)), bucket(len(k_tiles)), fine_bucket(len(pairs))
+    q_index = np.zeros((num_q, q_tile), np.int32)
+    q_positions = np.full((num_q, q_tile), -1, np.int32)
+    token_slot = np.zeros(num_tokens, np.int32)
+    for i, (s, count, pos) in enumerate(q_tiles):
+        q_index[i, :count] = np.arange(s, s + count)
+        q_positions[i, :count] = np.arange(pos, pos + count)
+        token_slot[s:s + count] = i * q_tile + np.arange(count)
+    k_blocks = np.zeros((num_k, blocks_per_tile), np.int32)
+    k_start = np.zeros(num_k, np.int32)
+    for i, (blocks, pos) in enumerate(k_tiles):
+        k_blocks[i, :len(blocks)] = blocks
+        k_start[i] = pos
+    pair_arr = np.zeros((num_pairs, 3), np.int32)
+    pair_arr[:len(pairs)] = pairs
+    per_tile = np.bincount(pair_arr[:len(pairs), 0], minlength=num_q)
+    tile_pairs = np.full((num_q, bucket(int(per_tile.max()))), -1, np.int32)
+    fill = np.zeros(num_q, np.int64)
+    for p, (qt, _, _) in enumerate(pairs):
+        tile_pairs[qt, fill[qt]] = p
+        fill[qt] += 1
+    plan = AttentionPlan(q_index=q_index, q_positions=q_positions, k_blocks=k_blocks, k_start=k_start,
+                         pair_q=pair_arr[:, 0], pair_k=pair_arr[:, 1], pair_len=pair_arr[:, 2],
+                         tile_pairs=tile_pairs, token_slot=token_slot)
+    return ModelInputs(token_ids=token_ids, positions=positions, slot_mapping=slots, logits_index=logits_index,
+                       block_tables=block_tables, context_lens=context_lens, plan=plan)
