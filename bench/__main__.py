@@ -1,8 +1,8 @@
 """Run the benchmarks: `python -m bench [--quick] [--only NAME,...] [--out DIR]`.
 
 --quick (under 10 minutes on 2 cores): the allocator simulation, offline throughput of paged
-against the Orca baselines on 32 requests, jpaged against HF transformers at batch 16, and the
-scheduler's host overhead. The full preset runs every benchmark at full size, vLLM's CPU build
+against the Orca baselines on 32 requests, jpaged against HF transformers at batch 16, the
+scheduler's host overhead and the decode step's model FLOPs utilisation. The full preset runs every benchmark at full size, vLLM's CPU build
 included (about 90 minutes on 2 cores, most of it in vs_peers and throughput's request-rate sweep).
 Results: bench/results/<name>.json and .png. `bench/gpu_kernels.py` runs on a GPU machine instead.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-QUICK = ["memory_utilization", "throughput", "vs_peers", "scheduler_overhead"]
+QUICK = ["memory_utilization", "throughput", "vs_peers", "scheduler_overhead", "mfu"]
 FULL = QUICK + ["sharing", "block_size", "preemption"]
 
 

@@ -105,15 +105,15 @@ def xla_attend(q, k_pool, v_pool, layer, plan, scale):
     partials = _decode_partials if q_tile == 1 else _prefill_partials
     row_max, row_sum, partial = partials(q, k_pool, v_pool, layer, plan, scale)
 
-    # merge: each query tile combines its pairs (tile_pairs -1 = no pair)
-    valid = plan.tile_pairs >= 0  # [NQ, MP]
-    index = jnp.maximum(plan.tile_pairs, 0)
-    sums = jnp.where(valid[..., None, None], row_sum[index], 0.0)  # [NQ, MP, KVH, G * TQ] (or G, TQ = 1)
-    maxes = jnp.where(sums > 0, row_max[index], -jnp.inf)
-    top = jnp.max(maxes, axis=1, keepdims=True)
-    weights = jnp.exp(maxes - jnp.where(jnp.isfinite(top), top, 0.0))  # pairs that saw nothing -> 0
-    total = jnp.sum(weights * sums, axis=1)  # [NQ, KVH, G * TQ]
-    out = jnp.sum(weights[..., None] * partial[index], axis=1) / jnp.where(total > 0, total, 1.0)[..., None]
+    # merge: each query tile combines its pairs (consecutive in pair order) by their running maxima
+    def per_tile(op, x):
+        return op(x, plan.pair_q, num_segments=num_q_tiles, indices_are_sorted=True)
+
+    pair_max = jnp.where(row_sum > 0, row_max, -jnp.inf)  # a pair that saw nothing weighs 0
+    top = per_tile(jax.ops.segment_max, pair_max)
+    weights = jnp.exp(pair_max - jnp.where(jnp.isfinite(top), top, 0.0)[plan.pair_q])
+    total = per_tile(jax.ops.segment_sum, weights * row_sum)  # [NQ, KVH, G * TQ] (decode: G, TQ = 1)
+    out = per_tile(jax.ops.segment_sum, weights[..., None] * partial) / jnp.where(total > 0, total, 1.0)[..., None]
     out = out.reshape(num_q_tiles, num_kv_heads, num_heads // num_kv_heads, q_tile, head_dim).transpose(0, 3, 1, 2, 4)
     return out.reshape(num_q_tiles * q_tile, num_heads, head_dim)[plan.token_slot].astype(q.dtype)
 

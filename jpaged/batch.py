@@ -13,11 +13,11 @@ causal attention needs, and no other work is done. Each pair yields a partial so
 max, sum, weighted values); each query tile merges its pairs' partials (flash-decoding style), so
 a long sequence no longer widens every other row's attention to its length.
 
-Shapes are bucketed (one compiled step per bucket combination): powers of two, and for the packed
-tokens and the pairs, which carry the work, four steps between powers of two (`fine_bucket`). Padding:
+Shapes are bucketed (one compiled step per bucket combination): powers of two, and for a prefill's
+packed tokens and pairs, which carry its work, four steps between powers of two (`fine_bucket`). Padding:
 query-tile slots past a row's tokens have position -1 (they see nothing and are never read back),
-padded pairs point at key tile 0 with context length 0 (fully masked), padded key tiles read the
-null block, and `tile_pairs` entries past a tile's pair count are -1 (skipped in the merge).
+padded pairs join the last query tile with key tile 0 and context length 0 (fully masked: they
+weigh nothing, and `pair_q` stays sorted), and padded key tiles read the null block.
 """
 
 from __future__ import annotations
@@ -51,10 +51,9 @@ class AttentionPlan:
     q_positions i32[NQ, TQ]  absolute position of each slot (padding: -1, sees no key)
     k_blocks    i32[NK, TK // block_size]  physical blocks of each key tile, in logical order
     k_start     i32[NK]      absolute position of each key tile's first token
-    pair_q      i32[P]       query tile of each pair
+    pair_q      i32[P]       query tile of each pair, non-decreasing (a tile's pairs are consecutive)
     pair_k      i32[P]       key tile of each pair
     pair_len    i32[P]       context length of the pair's row (keys at positions >= it are masked)
-    tile_pairs  i32[NQ, MP]  the pairs of each query tile (padding: -1)
     token_slot  i32[N]       where each packed token sits in the flattened [NQ * TQ] query tiles
     """
 
@@ -65,7 +64,6 @@ class AttentionPlan:
     pair_q: jax.Array
     pair_k: jax.Array
     pair_len: jax.Array
-    tile_pairs: jax.Array
     token_slot: jax.Array
 
 
@@ -108,7 +106,8 @@ def pack_rows(rows: Seq, *, block_size: int, q_tile: int, k_tile: int) -> ModelI
     blocks_per_tile = k_tile // block_size
     lens = [len(r.token_ids) for r in rows]
     total = sum(lens)
-    num_tokens = fine_bucket(total, 16) if max(lens) > 1 else bucket(total)
+    prefill = max(lens) > 1  # decode steps are many and small: coarse buckets keep their compilations few
+    num_tokens = fine_bucket(total, 16) if prefill else bucket(total)  # decode: N == B
     token_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     slots = np.zeros(num_tokens, np.int32)
@@ -139,7 +138,8 @@ def pack_rows(rows: Seq, *, block_size: int, q_tile: int, k_tile: int) -> ModelI
             pairs.extend((qt, row_k + t, context) for t in range(last_position // k_tile + 1))
         start += n
 
-    num_q, num_k, num_pairs = bucket(len(q_tiles)), bucket(len(k_tiles)), fine_bucket(len(pairs))
+    num_q, num_k = bucket(len(q_tiles)), bucket(len(k_tiles))
+    num_pairs = fine_bucket(len(pairs)) if prefill else bucket(len(pairs))
     q_index = np.zeros((num_q, q_tile), np.int32)
     q_positions = np.full((num_q, q_tile), -1, np.int32)
     token_slot = np.zeros(num_tokens, np.int32)
@@ -153,15 +153,10 @@ def pack_rows(rows: Seq, *, block_size: int, q_tile: int, k_tile: int) -> ModelI
         k_blocks[i, :len(blocks)] = blocks
         k_start[i] = pos
     pair_arr = np.zeros((num_pairs, 3), np.int32)
+    pair_arr[:, 0] = num_q - 1
     pair_arr[:len(pairs)] = pairs
-    per_tile = np.bincount(pair_arr[:len(pairs), 0], minlength=num_q)
-    tile_pairs = np.full((num_q, bucket(int(per_tile.max()))), -1, np.int32)
-    fill = np.zeros(num_q, np.int64)
-    for p, (qt, _, _) in enumerate(pairs):
-        tile_pairs[qt, fill[qt]] = p
-        fill[qt] += 1
     plan = AttentionPlan(q_index=q_index, q_positions=q_positions, k_blocks=k_blocks, k_start=k_start,
                          pair_q=pair_arr[:, 0], pair_k=pair_arr[:, 1], pair_len=pair_arr[:, 2],
-                         tile_pairs=tile_pairs, token_slot=token_slot)
+                         token_slot=token_slot)
     return ModelInputs(token_ids=token_ids, positions=positions, slot_mapping=slots, logits_index=logits_index,
                        block_tables=block_tables, context_lens=context_lens, plan=plan)

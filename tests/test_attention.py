@@ -87,17 +87,13 @@ def test_plan_pairs_are_exactly_the_causal_work():
     block_size, q_tile, k_tile = 4, 4, 8
     rows = make_rows([(0, 21), (9, 6), (30, 1)], block_size, np.random.default_rng(0))
     plan = pack_rows(rows, block_size=block_size, q_tile=q_tile, k_tile=k_tile).plan
-    expected_pairs = 0
+    assert np.all(np.diff(plan.pair_q) >= 0)  # sorted: the merge is a sorted segment reduction
+    real = plan.pair_len > 0  # padded pairs have no context: fully masked
     for t in range(plan.q_index.shape[0]):
         positions = plan.q_positions[t][plan.q_positions[t] >= 0]
-        pairs = [p for p in plan.tile_pairs[t] if p >= 0]
-        if not len(positions):
-            assert pairs == []
-            continue
-        starts = sorted(int(plan.k_start[plan.pair_k[p]]) for p in pairs)
-        assert starts == list(range(0, int(positions.max()) // k_tile * k_tile + 1, k_tile))
-        expected_pairs += len(pairs)
-    assert int((plan.pair_len > 0).sum()) == expected_pairs  # padded pairs have no context: fully masked
+        starts = sorted(int(s) for s in plan.k_start[plan.pair_k[real & (plan.pair_q == t)]])
+        expected = list(range(0, int(positions.max()) // k_tile * k_tile + 1, k_tile)) if len(positions) else []
+        assert starts == expected, t
 
 
 def test_packing_lays_rows_end_to_end():

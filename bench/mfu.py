@@ -1,0 +1,118 @@
+"""Model FLOPs utilisation of the decode step against this machine's float32 matmul peak.
+
+The peak is a large `jnp.dot` (f32, 2048 x 2048 x 2048) timed in the same run, interleaved with
+the decode measurements (the machine is shared: each decode figure is divided by the median of
+the peak readings taken around it). Decode: the real default model's compiled decode step through
+`ModelRunner` (packed rows, paged attention over a `context`-token cache per sequence, the LM head
+for every row), timed compile-free, median of `repeats` steps.
+
+Model FLOPs per decoded token: 2 x (every matmul weight, LM head included) + 4 x context x
+num_heads x head_dim x num_layers (QK^T and PV). Embedding lookups, norms and softmax count zero.
+
+    python bench/mfu.py [--quick] [--out bench/results]
+
+Goal (issue 5): decode at batch >= 64 reaches 40% of the f32 matmul peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from bench.common import RESULTS_DIR, machine_info, write_json  # noqa: E402
+
+PEAK_N = 2048
+BLOCK_SIZE = 16
+
+
+def matmul_peak(repeats: int = 5) -> float:
+    """GFLOP/s of the best of `repeats` f32 [N, N] @ [N, N] products (compiled once)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (PEAK_N, PEAK_N), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * PEAK_N ** 3 / best / 1e9
+
+
+def decode_flops_per_token(config, context: int) -> float:
+    h, d = config.hidden_size, config.head_dim
+    attn = h * config.num_heads * d * 2 + h * config.num_kv_heads * d * 2  # q, o; k, v
+    mlp = 3 * h * config.intermediate_size
+    weights = config.num_layers * (attn + mlp) + h * config.vocab_size  # + LM head
+    return 2 * weights + 4 * context * config.num_heads * d * config.num_layers
+
+
+def decode_step_seconds(loaded, batch: int, context: int, repeats: int) -> float:
+    """Median wall seconds of the compiled decode step for `batch` sequences of `context` tokens."""
+    import jax
+
+    from jpaged.attention import get_backend
+    from jpaged.runner import ModelRunner
+    from jpaged.scheduler import Row
+
+    per_seq = -(-context // BLOCK_SIZE)
+    runner = ModelRunner(loaded.config, loaded.params, num_blocks=1 + batch * per_seq, block_size=BLOCK_SIZE,
+                         backend=get_backend("auto"))
+    rows = []
+    for b in range(batch):
+        table = list(range(1 + b * per_seq, 1 + (b + 1) * per_seq))
+        p = context - 1
+        rows.append(Row(token_ids=[100 + b], start_position=p, slots=[table[p // BLOCK_SIZE] * BLOCK_SIZE
+                                                                       + p % BLOCK_SIZE], block_table=table))
+    jax.block_until_ready(runner.execute(rows, decode=True))  # compile
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(runner.execute(rows, decode=True))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="batches 64 and 128 only, fewer repeats")
+    parser.add_argument("--context", type=int, default=128, help="tokens in each sequence's cache")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    from jpaged.loader import load_model
+
+    loaded = load_model(None)
+    batches = (64, 128) if args.quick else (16, 32, 64, 128, 256)
+    repeats = 3 if args.quick else 7
+    flops_per_token = decode_flops_per_token(loaded.config, args.context)
+    peaks, rows = [matmul_peak()], []
+    for batch in batches:
+        seconds = decode_step_seconds(loaded, batch, args.context, repeats)
+        peaks.append(matmul_peak())
+        peak = float(np.median(peaks[-2:]))
+        gflops = batch * flops_per_token / seconds / 1e9
+        rows.append(dict(batch=batch, context=args.context, step_ms=1e3 * seconds, tokens_per_s=batch / seconds,
+                         model_gflops=gflops, peak_gflops=peak, mfu=gflops / peak))
+        print(f"batch {batch:4d}: decode step {1e3 * seconds:7.1f} ms, {batch / seconds:6.0f} tok/s, "
+              f"{gflops:6.1f} GFLOP/s = {gflops / peak:.0%} of the f32 matmul peak ({peak:.0f} GFLOP/s)", flush=True)
+    at_64 = [r["mfu"] for r in rows if r["batch"] >= 64]
+    result = {"benchmark": "mfu", "machine": machine_info(),
+              "settings": {"context": args.context, "block_size": BLOCK_SIZE, "dtype": "float32",
+                           "peak": f"jnp.dot f32 {PEAK_N}^3, best of 5, measured before and after every batch",
+                           "model_flops_per_token": flops_per_token, "repeats": repeats},
+              "peak_readings_gflops": peaks, "rows": rows,
+              "goal": {"mfu_at_batch_64_or_more": 0.40, "best": max(at_64), "met": max(at_64) >= 0.40}}
+    write_json(args.out / "mfu.json", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
