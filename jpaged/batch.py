@@ -13,8 +13,9 @@ causal attention needs, and no other work is done. Each pair yields a partial so
 max, sum, weighted values); each query tile merges its pairs' partials (flash-decoding style), so
 a long sequence no longer widens every other row's attention to its length.
 
-Shapes are bucketed (one compiled step per bucket combination): powers of two, and for a prefill's
-packed tokens and pairs, which carry its work, four steps between powers of two (`fine_bucket`). Padding:
+Shapes are bucketed (one compiled step per bucket combination): powers of two, and for the pairs
+and a prefill's packed tokens, which carry the work, finer steps (`fine_bucket`: four shapes per
+power of two for prefill, two for the many small decode steps, whose compilations must stay few). Padding:
 query-tile slots past a row's tokens have position -1 (they see nothing and are never read back),
 padded pairs join the last query tile with key tile 0 and context length 0 (fully masked: they
 weigh nothing, and `pair_q` stays sorted), and padded key tiles read the null block.
@@ -35,11 +36,11 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def fine_bucket(n: int, minimum: int = 1) -> int:
-    """Smallest multiple of an eighth of bucket(n) that is >= max(n, minimum): four shapes between
-    two powers of two, padding under a quarter of n. For the dimensions that carry the matmul work."""
+def fine_bucket(n: int, minimum: int = 1, *, steps: int = 4) -> int:
+    """Smallest multiple of bucket(n) / (2 * steps) that is >= max(n, minimum): `steps` shapes between
+    two powers of two (padding under 1/steps of n). For the dimensions that carry the work."""
     n = max(n, minimum)
-    step = max(bucket(n) // 8, 1)
+    step = max(bucket(n) // (2 * steps), 1)
     return -(-n // step) * step
 
 
@@ -139,7 +140,7 @@ def pack_rows(rows: Seq, *, block_size: int, q_tile: int, k_tile: int) -> ModelI
         start += n
 
     num_q, num_k = bucket(len(q_tiles)), bucket(len(k_tiles))
-    num_pairs = fine_bucket(len(pairs)) if prefill else bucket(len(pairs))
+    num_pairs = fine_bucket(len(pairs), steps=4 if prefill else 2)
     q_index = np.zeros((num_q, q_tile), np.int32)
     q_positions = np.full((num_q, q_tile), -1, np.int32)
     token_slot = np.zeros(num_tokens, np.int32)

@@ -111,5 +111,6 @@ def test_packing_lays_rows_end_to_end():
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 100, 1000, 2192, 4097])
 def test_buckets(n):
     assert bucket(n) >= n and bucket(n) < 2 * n or n == 1
-    fine = fine_bucket(n)
-    assert n <= fine <= bucket(n) and (fine - n) * 4 <= max(n, 4)
+    for steps in (2, 4):
+        fine = fine_bucket(n, steps=steps)
+        assert n <= fine <= bucket(n) and (fine - n) * steps <= max(n, steps)
