@@ -9,7 +9,7 @@ for every row), timed compile-free, median of `repeats` steps.
 Model FLOPs per decoded token: 2 x (every matmul weight, LM head included) + 4 x context x
 num_heads x head_dim x num_layers (QK^T and PV). Embedding lookups, norms and softmax count zero.
 
-    python bench/mfu.py [--quick] [--out bench/results]
+    python bench/mfu.py [--quick] [--out bench/results]     # writes mfu.json and mfu.png
 
 Goal (issue 5): decode at batch >= 64 reaches 40% of the f32 matmul peak.
 """
@@ -81,6 +81,30 @@ def decode_step_seconds(loaded, batch: int, context: int, repeats: int) -> float
     return float(np.median(times))
 
 
+def plot(rows: list, path: Path) -> None:
+    """Decode tokens/s and MFU against the batch size."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = [r["batch"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(batches, [r["tokens_per_s"] for r in rows], "o-", color="tab:blue")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.1 * max(r["tokens_per_s"] for r in rows))
+    ax.set_xlabel("decode batch (sequences)")
+    ax.set_ylabel("decode tokens/s", color="tab:blue")
+    mfu = ax.twinx()
+    mfu.plot(batches, [100 * r["mfu"] for r in rows], "s--", color="tab:red")
+    mfu.axhline(40, color="tab:red", lw=0.8, ls=":")
+    mfu.set_ylabel("% of f32 matmul peak (MFU)", color="tab:red")
+    mfu.set_ylim(0, 100)
+    ax.set_title(f"SmolLM2-135M decode step, context {rows[0]['context']}, f32, XLA CPU", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="batches 64 and 128 only, fewer repeats")
@@ -111,6 +135,7 @@ def main(argv=None) -> dict:
               "peak_readings_gflops": peaks, "rows": rows,
               "goal": {"mfu_at_batch_64_or_more": 0.40, "best": max(at_64), "met": max(at_64) >= 0.40}}
     write_json(args.out / "mfu.json", result)
+    plot(rows, args.out / "mfu.png")
     return result
 
 
