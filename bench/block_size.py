@@ -97,7 +97,7 @@ class ShapeClock:
     def __init__(self, runner, repeats: int = 3):
         import jax
 
-        from jpaged.runner import bucket
+        from jpaged.batch import bucket
 
         self.runner, self.repeats = runner, repeats
         self.times: dict = collections.defaultdict(list)  # signature -> device seconds
@@ -113,10 +113,8 @@ class ShapeClock:
             self.step_device += time.perf_counter() - start - (runner.compile_seconds - compiled)
             return out
 
-        def timed_execute(rows, *, decode):
-            q_len = 1 if decode else bucket(max(len(r.token_ids) for r in rows), 16)
-            self.signature = ("decode" if decode else "prefill", bucket(len(rows)), q_len,
-                              bucket(max(len(r.block_table) for r in rows), 4))
+        def timed_execute(rows, *, decode):  # signature: the compiled step's input shapes
+            self.signature = ("decode" if decode else "prefill", runner.make_inputs(rows, decode=decode).shape_key)
             self._last_execute = (rows, decode)
             self.rows = len(rows)
             return timed(execute, rows, decode=decode)

@@ -426,10 +426,9 @@ NOTES = [
     "HF n=32 figures are the first 32 requests of the 120-request run (timed batch by batch).",
     "vLLM: KV cache fixed with VLLM_CPU_KVCACHE_SPACE (GiB, see settings), prefix caching off like jpaged's default; "
     "thread binding per settings.env (vLLM's 'auto' default reserves one of the two cores for its front-end process).",
-    "jpaged with its default scheduler budget (max_num_batched_tokens = max(max_model_len, 2048) = 8192 for this "
-    "model) fails at 120 requests: a prefill step pads every row to the bucket of its longest prompt (1350 -> 2048 "
-    "tokens) and XLA asks for 59 GB (RESOURCE_EXHAUSTED). settings.jpaged_engine_args shows the budget used for "
-    "the figures (e.g. {'max_num_batched_tokens': 512}).",
+    "jpaged runs with its default engine settings (settings.jpaged_engine_args lists any override): prefill rows "
+    "are packed end to end and attention follows a plan of (query tile, key tile) pairs, so the ~1350-token prompt "
+    "costs only its own tokens.",
     "tokens_per_cpu_s: output tokens per CPU-second of the engine's own processes (children included): less "
     "sensitive to other jobs than wall-clock throughput, but threads that spin-wait under contention (OpenMP, "
     "Eigen) inflate it.",

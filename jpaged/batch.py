@@ -3,7 +3,7 @@
 
 Packing. The new tokens of all rows are laid end to end (`token_ids i32[N]`, no per-row padding),
 so a prefill of a 1,000-token and a 40-token prompt costs 1,040 token-steps of the matmuls, not
-2 x 1,024. Only the total N is padded, to a power of two; padded tokens write to the null block.
+2 x 1,024. Only the total N is padded (to a shape bucket, below); padded tokens write to the null block.
 
 Attention plan (the XLA path; the Pallas decode kernel reads `block_tables` instead). Each row's
 new tokens are cut into *query tiles* of `q_tile` tokens and its context (cached + new tokens)

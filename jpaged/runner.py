@@ -1,4 +1,4 @@
-"""The device side of a step: pads the scheduler's rows into shape buckets, runs the jitted
+"""The device side of a step: packs the scheduler's rows into shape buckets, runs the jitted
 `prefill_step` / `decode_step`, samples, and applies the block operations (copy-on-write, swap).
 
 Step functions are pure, `step(params, kv_cache, inputs) -> (kv_cache, logits)`, jitted with the
@@ -59,13 +59,12 @@ def _write_blocks(cache, block_ids, k_blocks, v_blocks):
 
 
 class ModelRunner:
-    """Holds the parameters and the KV cache on the device; turns rows into padded step inputs.
+    """Holds the parameters and the KV cache on the device; packs rows into bucketed step inputs.
 
-    Shape buckets: every dimension of `ModelInputs` is a power of two (packed tokens from 16 for
-    prefill, in quarter steps). Attention tiles (`jpaged.batch`): prefill query tiles of `prefill_q_tile`
-    tokens and key tiles of about `prefill_key_tile`; decode query tiles of one token and key tiles of
-    about `decode_key_tile` (key tiles are whole blocks). The defaults were the fastest measured on a
-    2-core XLA CPU: few large tiles beat many small ones there.
+    Shape buckets (`jpaged.batch`): powers of two, with finer steps for the pairs and a prefill's
+    packed tokens. Attention tiles: prefill query tiles of `prefill_q_tile` tokens and key tiles of
+    about `prefill_key_tile`; decode query tiles of one token and key tiles of about `decode_key_tile`
+    (key tiles are whole blocks). The defaults were the fastest measured on a 2-core XLA CPU.
     `num_compilations` counts every executable built (steps, sampler, block ops).
     """
 
