@@ -220,6 +220,10 @@ def serve(llm, workload: Workload, clock: ShapeClock, tag: str = ""):
     sigs = [st["signature"] for st in steps if st["signature"] is not None]
     decode = [sig for sig in sigs if sig[0] == "decode"]
     prefill = [sig for sig in sigs if sig[0] == "prefill"]
+
+    def packed(sig):  # the step's packed tokens (a decode step's rows): its token_ids shape, (N,)
+        return sig[1][0][0]
+
     return dict(
         elapsed_s=elapsed, compile_s=runner.compile_seconds - compile_before, output_tokens=out_tokens,
         measured_tokens_per_s=out_tokens / elapsed, num_steps=len(steps), num_decode_steps=len(decode),
@@ -229,7 +233,7 @@ def serve(llm, workload: Workload, clock: ShapeClock, tag: str = ""):
         num_preemptions=scheduler.num_preemptions - preemptions_before,
         prompt_tokens=sum(len(p) for p in workload.prompts),
         recomputed_tokens=(scheduler.num_prompt_tokens - prompt_before) - sum(len(p) for p in workload.prompts),
-        padded_prefill_tokens=sum(s[1] * s[2] for s in prefill), padded_decode_rows=sum(s[1] for s in decode),
+        padded_prefill_tokens=sum(packed(s) for s in prefill), padded_decode_rows=sum(packed(s) for s in decode),
         kv_utilization=token_slots / used_slots if used_slots else None,
         pool_occupancy=used_slots / (len(steps) * pool_slots),
         host_s=sum(st["measured"] - st["device"] for st in steps),
