@@ -60,12 +60,10 @@ POOL_SLOTS = 12288
 TRACE_PARAMS = dict(sharegpt_like=traces_lib.SHAREGPT, alpaca_like=traces_lib.ALPACA)
 TOKEN_ID_RANGE = (1000, 40000)  # ordinary vocabulary tokens (SmolLM2's specials are < 50)
 
-# Time on the 2-core development machines. quick: 6 min wall (3.3 min of CPU) while the shared
-# machine ran at load average 7.5, so about 3-4 min with the cores free. mini and full are
-# estimates from quick's step costs, not yet run: mini ~45 min with free cores (~75 min at load
-# 7.5); full ~8 h (2048-token contexts make every decode step gather up to 128 blocks per
-# sequence): run it on a GPU machine, or run mini. Requests per trace: enough that memory, not
-# the longest request, bounds a run.
+# Time on the 2-core development machines with the packed / tiled attention path: quick 2 min,
+# mini 22 min (measured). full is not run yet: 8x longer sequences (2048-token contexts) and 5x
+# the requests of mini; expect several hours on 2 cores: run it on a GPU machine, or run mini.
+# Requests per trace: enough that memory, not the longest request, bounds a run.
 PRESETS = {
     "quick": dict(scale=8, offline={"sharegpt_like": 32}, online={}, num_rates=0),
     "mini": dict(scale=8, offline={"sharegpt_like": 128}, online={"sharegpt_like": 96}, num_rates=5),

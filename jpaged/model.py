@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 from jpaged.batch import ModelInputs
 from jpaged.config import ModelConfig
 from jpaged.kv_cache import KVCache

@@ -2,8 +2,9 @@
 
 Decode (one query token per sequence) runs the paged-attention kernel, which reads K/V through
 the block table inside the kernel; the cache write and the copy-on-write block copy run their
-fused kernels. Prefill (several query tokens per sequence) keeps the XLA path (`xla_attend` over the
-attention plan): the paper's kernels are decode kernels. `interpret=True` runs the kernels in the Pallas interpreter (CPU tests).
+fused kernels. Prefill (several query tokens per sequence) keeps the XLA path (`xla_attend` over
+the attention plan): the paper's kernels are decode kernels. `interpret=True` runs the kernels in
+the Pallas interpreter (CPU tests).
 """
 
 from __future__ import annotations
