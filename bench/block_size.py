@@ -390,12 +390,7 @@ def main(argv=None) -> dict:
                              compile_cache=args.compile_cache),
                seeds={name: args.seed + k for k, name in enumerate(preset["traces"])},
                paper=dict(best_block_sizes=PAPER_BEST), **out)
-    out["wall_seconds"] = time.perf_counter() - start
-    common.write_json(args.out / "block_size.json", out)
-    plot(out, args.out / "block_size.png")
-    print_table(out)
-    print(f"wall {out['wall_seconds']:.0f} s -> {args.out}/block_size.{{json,png}}")
-    return out
+    return common.report(out, args.out, "block_size", start, plot, print_table)
 
 
 if __name__ == "__main__":

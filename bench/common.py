@@ -85,6 +85,17 @@ def write_json(path: Path, obj) -> Path:
     return path
 
 
+def report(out: dict, out_dir: Path, name: str, start: float, plot, print_table) -> dict:
+    """A benchmark's ending: its wall time (since `start`, `time.perf_counter`) into `out`, then
+    `<out_dir>/<name>.json`, `plot(out, <out_dir>/<name>.png)`, `print_table(out)` and one summary line."""
+    out["wall_seconds"] = time.perf_counter() - start
+    write_json(Path(out_dir) / f"{name}.json", out)
+    plot(out, Path(out_dir) / f"{name}.png")
+    print_table(out)
+    print(f"wall {out['wall_seconds']:.1f} s -> {out_dir}/{name}.{{json,png}}")
+    return out
+
+
 class Stopwatch:
     """`with Stopwatch() as sw: ...` then `sw.seconds` (wall clock, `time.perf_counter`)."""
 

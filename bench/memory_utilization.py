@@ -376,12 +376,7 @@ def main(argv=None) -> dict:
                            max_model_len=traces_lib.MAX_MODEL_LEN, null_block="excluded from the pool",
                            trace_params=dict(sharegpt_like=traces_lib.SHAREGPT, alpaca_like=traces_lib.ALPACA))
     out["machine"] = common.machine_info()
-    out["wall_seconds"] = time.perf_counter() - start
-    common.write_json(args.out / "memory_utilization.json", out)
-    plot(out, args.out / "memory_utilization.png")
-    print_table(out)
-    print(f"wall {out['wall_seconds']:.1f} s -> {args.out}/memory_utilization.{{json,png}}")
-    return out
+    return common.report(out, args.out, "memory_utilization", start, plot, print_table)
 
 
 if __name__ == "__main__":

@@ -218,12 +218,7 @@ def main(argv=None) -> dict:
                              trace_params=TRACE_PARAMS[preset["trace"]], compile_cache=args.compile_cache),
                seeds=dict(trace=args.seed, prompts=args.seed + 10_000),
                paper="recompute <= 1.2x swap's time; close at block sizes 16-64; swap slow at small blocks", **out)
-    out["wall_seconds"] = time.perf_counter() - start
-    common.write_json(args.out / "preemption.json", out)
-    plot(out, args.out / "preemption.png")
-    print_table(out)
-    print(f"wall {out['wall_seconds']:.0f} s -> {args.out}/preemption.{{json,png}}")
-    return out
+    return common.report(out, args.out, "preemption", start, plot, print_table)
 
 
 if __name__ == "__main__":

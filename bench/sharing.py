@@ -397,13 +397,7 @@ def main(argv=None) -> dict:
         machine=machine, model_load_seconds=sw.seconds, sharing=sharing, prefix=prefix,
         paper=dict(alpaca=PAPER_ALPACA, sharegpt_range=PAPER_SHAREGPT_RANGE,
                    shared_prefix="1.67x (1-shot, 80 tokens) .. 3.58x (5-shot, 341 tokens), LLaMA-13B"))
-    out["wall_seconds"] = time.perf_counter() - start
-    args.out.mkdir(parents=True, exist_ok=True)
-    common.write_json(args.out / "sharing.json", out)
-    plot(out, args.out / "sharing.png")
-    print_table(out)
-    print(f"wall {out['wall_seconds']:.0f} s -> {args.out}/sharing.{{json,png}}")
-    return out
+    return common.report(out, args.out, "sharing", start, plot, print_table)
 
 
 if __name__ == "__main__":

@@ -624,12 +624,7 @@ def main(argv=None) -> dict:
     out = run("quick" if args.quick else args.preset, scale=args.scale, systems=tuple(args.systems), seed=args.seed,
               rates=args.rates, num_rates=args.num_rates, requests=args.requests, clock=args.clock)
     out["settings"]["compile_cache"] = args.compile_cache
-    out["wall_seconds"] = time.perf_counter() - start
-    common.write_json(args.out / "throughput.json", out)
-    plot(out, args.out / "throughput.png")
-    print_table(out)
-    print(f"wall {out['wall_seconds']:.0f} s -> {args.out}/throughput.{{json,png}}")
-    return out
+    return common.report(out, args.out, "throughput", start, plot, print_table)
 
 
 if __name__ == "__main__":
