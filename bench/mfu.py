@@ -60,6 +60,7 @@ def decode_step_seconds(loaded, batch: int, context: int, repeats: int) -> float
     import jax
 
     from jpaged.attention import get_backend
+    from jpaged.block_manager import slot_ids
     from jpaged.runner import ModelRunner
     from jpaged.scheduler import Row
 
@@ -67,11 +68,10 @@ def decode_step_seconds(loaded, batch: int, context: int, repeats: int) -> float
     runner = ModelRunner(loaded.config, loaded.params, num_blocks=1 + batch * per_seq, block_size=BLOCK_SIZE,
                          backend=get_backend("auto"))
     rows = []
-    for b in range(batch):
+    for b in range(batch):  # each sequence decodes its token at position context - 1 of its own blocks
         table = list(range(1 + b * per_seq, 1 + (b + 1) * per_seq))
-        p = context - 1
-        rows.append(Row(token_ids=[100 + b], start_position=p, slots=[table[p // BLOCK_SIZE] * BLOCK_SIZE
-                                                                       + p % BLOCK_SIZE], block_table=table))
+        rows.append(Row(token_ids=[100 + b], start_position=context - 1,
+                        slots=slot_ids(table, context - 1, context, BLOCK_SIZE), block_table=table))
     jax.block_until_ready(runner.execute(rows, decode=True))  # compile
     times = []
     for _ in range(repeats):

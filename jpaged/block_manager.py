@@ -41,6 +41,11 @@ SeqId = Hashable
 BlockHash = tuple
 
 
+def slot_ids(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Device slots of positions [start, end) of a sequence with this block table (`jpaged.kv_cache` layout)."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 class OutOfBlocksError(ValueError):
     """Not enough free blocks for an operation (callers check `can_*` first)."""
 
@@ -159,7 +164,7 @@ class BlockManager:
         if not 0 <= start <= end <= seq.num_tokens:
             raise IndexError(f"positions [{start}, {end}) out of range for sequence {seq_id!r} "
                              f"of {seq.num_tokens} tokens")
-        return [seq.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+        return slot_ids(seq.block_ids, start, end, bs)
 
     def refcount(self, block_id: int) -> int:
         return _shard(self._refcounts, block_id).get(block_id, 0)

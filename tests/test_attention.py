@@ -12,6 +12,7 @@ import pytest
 
 from jpaged.attention import gather_attend, xla_attend
 from jpaged.batch import bucket, fine_bucket, pack_rows
+from jpaged.block_manager import slot_ids
 from jpaged.scheduler import Row
 
 NUM_LAYERS, NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM, NUM_HEADS = 2, 96, 2, 8, 6
@@ -23,8 +24,8 @@ def make_rows(specs, block_size, rng):
     rows = []
     for start, n in specs:
         table = [int(free.pop()) for _ in range(-(-(start + n) // block_size))]
-        slots = [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
-        rows.append(Row(token_ids=[1] * n, start_position=start, slots=slots, block_table=table))
+        rows.append(Row(token_ids=[1] * n, start_position=start, slots=slot_ids(table, start, start + n, block_size),
+                        block_table=table))
     return rows
 
 

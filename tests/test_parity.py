@@ -22,6 +22,7 @@ from dense_reference import dense_logits
 from jpaged import LLM, SamplingParams
 from jpaged.attention import XLABackend
 from jpaged.batch import pack_rows
+from jpaged.block_manager import slot_ids
 from jpaged.kv_cache import KVCache
 from jpaged.model import compute_logits, forward
 from jpaged.scheduler import Row
@@ -59,8 +60,8 @@ def paged_prefill_logits(params, config, token_id_lists, *, block_size: int, see
     rows = []
     for ids in token_id_lists:
         table = [free.pop() for _ in range(-(-len(ids) // block_size))]
-        slots = [table[p // block_size] * block_size + p % block_size for p in range(len(ids))]
-        rows.append(Row(token_ids=list(ids), start_position=0, slots=slots, block_table=table))
+        rows.append(Row(token_ids=list(ids), start_position=0, slots=slot_ids(table, 0, len(ids), block_size),
+                        block_table=table))
     inputs = pack_rows(rows, block_size=block_size, q_tile=8, k_tile=2 * block_size)
     cache = KVCache.create(config, num_blocks, block_size, np.float32)
 
@@ -169,8 +170,8 @@ def test_every_decode_step_matches_dense_forward(llm_bs4, default_model, alpaca_
         end = len(seqs[b])
         while len(tables[b]) * bs < end:
             tables[b].append(free.pop())
-        slots = [tables[b][p // bs] * bs + p % bs for p in range(start, end)]
-        return Row(token_ids=seqs[b][start:], start_position=start, slots=slots, block_table=list(tables[b]))
+        return Row(token_ids=seqs[b][start:], start_position=start, slots=slot_ids(tables[b], start, end, bs),
+                   block_table=list(tables[b]))
 
     prompt_lens = [len(s) for s in seqs]
     num_decode_steps = 9  # crosses at least two block boundaries per sequence
