@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.batch import ModelInputs, bucket, pack_rows
+from jpaged.batch import ModelInputs, bucket, pack_rows, row_bucket
 from jpaged.config import ModelConfig
 from jpaged.kv_cache import KVCache
 from jpaged.model import compute_logits, forward
@@ -61,8 +61,8 @@ def _write_blocks(cache, block_ids, k_blocks, v_blocks):
 class ModelRunner:
     """Holds the parameters and the KV cache on the device; packs rows into bucketed step inputs.
 
-    Shape buckets (`jpaged.batch`): powers of two, with finer steps for the pairs and a prefill's
-    packed tokens. Attention tiles: prefill query tiles of `prefill_q_tile` tokens and key tiles of
+    Shape buckets (`jpaged.batch`): powers of two, with finer steps for the pairs, a prefill's
+    packed tokens and a decode step's rows. Attention tiles: prefill query tiles of `prefill_q_tile` tokens and key tiles of
     about `prefill_key_tile`; decode query tiles of one token and key tiles of about `decode_key_tile`
     (key tiles are whole blocks). The defaults were the fastest measured on a 2-core XLA CPU.
     `num_compilations` counts every executable built (steps, sampler, block ops).
@@ -124,7 +124,7 @@ class ModelRunner:
         return pack_rows(rows, block_size=self.block_size, q_tile=self.prefill_q_tile, k_tile=self.prefill_k_tile)
 
     def execute(self, rows: Seq[Row], *, decode: bool) -> jax.Array:
-        """Runs one step over `rows`; returns the logits f32[bucket(len(rows)), vocab] (on the device)."""
+        """Runs one step over `rows`; returns the logits f32[padded rows, vocab] (on the device)."""
         inputs = self.make_inputs(rows, decode=decode)
         name = "decode_step" if decode else "prefill_step"
         self.cache, logits = self._run(name, self.params, self.cache, inputs)
@@ -132,7 +132,7 @@ class ModelRunner:
 
     def sample(self, logits: jax.Array, rows: Seq[SampleRow], num_top: int) -> dict[str, np.ndarray]:
         """Draws one token per sample row. Returns numpy arrays token_ids, logprobs, top_ids, top_logprobs."""
-        n = bucket(len(rows))
+        n = row_bucket(len(rows))
         dtypes = {"temperature": np.float32, "top_p": np.float32, "seed": np.uint32}
         columns = {f.name: np.zeros(n, dtypes.get(f.name, np.int32)) for f in dataclasses.fields(SampleRow)}
         columns["top_p"][:] = 1.0
@@ -144,7 +144,7 @@ class ModelRunner:
                                 step=columns["step"])
         use_filter = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0) for r in rows)
         use_random = any(r.temperature > 0 for r in rows)
-        out = self._run("sample", logits, columns["row"], params, num_top=bucket(num_top), use_filter=use_filter,
+        out = self._run("sample", logits, columns["row"], params, num_top=bucket(num_top) if num_top else 0, use_filter=use_filter,
                         use_random=use_random)
         out = jax.device_get(out)
         k = len(rows)

@@ -98,21 +98,35 @@ def sample(logits, rows, params: SamplingInputs, *, num_top: int = 1, use_filter
 
     logits f32[N, V]; rows i32[B] (which logits row each sample reads: the samples of one request
     share their prompt's row). `use_random` compiles in the random draw (only when a row has
-    temperature > 0), `use_filter` the top-k/top-p filter (only when a row needs it).
+    temperature > 0), `use_filter` the top-k/top-p filter (only when a row needs it), `num_top`
+    the `num_top` most likely tokens per row (0: none, `top_ids` is [B, 0]).
+
+    Greedy rows read each logits row twice (max/argmax, then the exp-sum) and never copy it: the
+    log-probability of a token is `(logit - max) - log(sum(exp(logits - max)))`, the very operations
+    of `jax.nn.log_softmax`, computed for the chosen and the top tokens only.
     """
-    logits = logits[rows].astype(jnp.float32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    token_ids = jnp.argmax(logits, axis=-1)
+    logits = logits.astype(jnp.float32)
+    row_max = jnp.max(logits, axis=-1)
+    log_norm = jnp.log(jnp.sum(jnp.exp(logits - row_max[:, None]), axis=-1))  # [N]
+
+    def logprob(values, at):  # values gathered from logits rows `at` -> their log-probabilities
+        return (values - row_max[at]) - log_norm[at]
+
+    token_ids = jnp.argmax(logits, axis=-1)[rows]
     if use_random:
         temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
-        scaled = logits / temperature[:, None]
+        scaled = logits[rows] / temperature[:, None]
         if use_filter:
             scaled = filter_top_k_top_p(scaled, params.top_k, params.top_p)
         keys = jax.vmap(row_key)(params.seed, params.sample_index, params.step)
         drawn = jax.vmap(draw)(keys, scaled)
         token_ids = jnp.where(params.temperature > 0, drawn, token_ids)
     token_ids = token_ids.astype(jnp.int32)
-    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top)
+    chosen = logprob(logits[rows, token_ids], rows)
+    if num_top:
+        top_logits, top_ids = jax.lax.top_k(logits, num_top)  # per logits row, then per sample row
+        top_ids, top_logprobs = top_ids[rows], logprob(top_logits[rows], rows[:, None])
+    else:
+        top_ids, top_logprobs = jnp.zeros((rows.shape[0], 0), jnp.int32), jnp.zeros((rows.shape[0], 0))
     return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids.astype(jnp.int32),
                          top_logprobs=top_logprobs)
