@@ -228,13 +228,14 @@ class Bench:
         `max_rows`, block tables up to `max_model_len`, rows x table width at most 4x the pool) on
         rows that read and write only the null block. Other shapes (prefill ones are too many to
         enumerate) compile when first seen, off the clock."""
-        from jpaged.runner import Row, SampleRow, bucket
+        from jpaged.batch import bucket, row_bucket
+        from jpaged.runner import Row, SampleRow
 
         runner = self.runner
         execute, sample = self._raw
         compile_before, start_all = runner.compile_seconds, time.perf_counter()
         widths = [w for w in (1 << k for k in range(2, 16)) if w <= bucket(-(-max_model_len // BLOCK_SIZE), 4)]
-        shapes = [(num_rows, width) for num_rows in (1 << k for k in range(bucket(max_rows).bit_length()))
+        shapes = [(num_rows, width) for num_rows in sorted({row_bucket(n) for n in range(1, max_rows + 1)})
                   for width in widths if num_rows * width <= max(4 * (self.num_blocks - 1), 64)]
         for num_rows, width in shapes:
             rows = [Row([1], width * BLOCK_SIZE - 1, [0], [0] * width)] * num_rows

@@ -13,12 +13,13 @@ causal attention needs, and no other work is done. Each pair yields a partial so
 max, sum, weighted values); each query tile merges its pairs' partials (flash-decoding style), so
 a long sequence no longer widens every other row's attention to its length.
 
-Shapes are bucketed (one compiled step per bucket combination): powers of two, and for the pairs
-and a prefill's packed tokens, which carry the work, finer steps (`fine_bucket`: four shapes per
-power of two for prefill, two for the many small decode steps, whose compilations must stay few). Padding:
-query-tile slots past a row's tokens have position -1 (they see nothing and are never read back),
-padded pairs join the last query tile with key tile 0 and context length 0 (fully masked: they
-weigh nothing, and `pair_q` stays sorted), and padded key tiles read the null block.
+Shapes are bucketed (one compiled step per bucket combination): powers of two, and for the pairs,
+a prefill's packed tokens and a decode step's rows, which carry the work, finer steps
+(`fine_bucket`: four shapes per power of two for prefill, two for the many small decode steps,
+whose compilations must stay few; `row_bucket`). Padding: query-tile slots past a row's tokens
+have position -1 (they see nothing and are never read back), padded pairs join the last query
+tile with key tile 0 and context length 0 (fully masked: they weigh nothing, and `pair_q` stays
+sorted), and padded key tiles read the null block.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ def fine_bucket(n: int, minimum: int = 1, *, steps: int = 4) -> int:
     n = max(n, minimum)
     step = max(bucket(n) // (2 * steps), 1)
     return -(-n // step) * step
+
+
+def row_bucket(n: int) -> int:
+    """Padded row count of a decode step (where N == B) and of a sampler call: powers of two up to
+    16, then two shapes per power of two (24, 32, 48, 64, 96, ...). Decode steps are the many
+    steps, and their matmuls cost in proportion to the padded rows: 17 rows pay for 24, not 32."""
+    return bucket(n) if n <= 16 else fine_bucket(n, steps=2)
 
 
 @struct.dataclass
@@ -108,11 +116,11 @@ def pack_rows(rows: Seq, *, block_size: int, q_tile: int, k_tile: int) -> ModelI
     lens = [len(r.token_ids) for r in rows]
     total = sum(lens)
     prefill = max(lens) > 1  # decode steps are many and small: coarse buckets keep their compilations few
-    num_tokens = fine_bucket(total, 16) if prefill else bucket(total)  # decode: N == B
+    num_rows = bucket(len(rows)) if prefill else row_bucket(len(rows))
+    num_tokens = fine_bucket(total, 16) if prefill else num_rows  # decode: N == B
     token_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     slots = np.zeros(num_tokens, np.int32)
-    num_rows = bucket(len(rows))
     logits_index = np.zeros(num_rows, np.int32)
     context_lens = np.zeros(num_rows, np.int32)
     width = bucket(max(len(r.block_table) for r in rows), 4)
@@ -139,7 +147,7 @@ def pack_rows(rows: Seq, *, block_size: int, q_tile: int, k_tile: int) -> ModelI
             pairs.extend((qt, row_k + t, context) for t in range(last_position // k_tile + 1))
         start += n
 
-    num_q, num_k = bucket(len(q_tiles)), bucket(len(k_tiles))
+    num_q, num_k = (bucket(len(q_tiles)) if prefill else num_rows), bucket(len(k_tiles))
     num_pairs = fine_bucket(len(pairs), steps=4 if prefill else 2)
     q_index = np.zeros((num_q, q_tile), np.int32)
     q_positions = np.full((num_q, q_tile), -1, np.int32)

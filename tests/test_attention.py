@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jpaged.attention import gather_attend, xla_attend
-from jpaged.batch import bucket, fine_bucket, pack_rows
+from jpaged.batch import bucket, fine_bucket, pack_rows, row_bucket
 from jpaged.block_manager import slot_ids
 from jpaged.scheduler import Row
 
@@ -115,3 +115,4 @@ def test_buckets(n):
     for steps in (2, 4):
         fine = fine_bucket(n, steps=steps)
         assert n <= fine <= bucket(n) and (fine - n) * steps <= max(n, steps)
+    assert n <= row_bucket(n) <= bucket(n) and (row_bucket(n) == bucket(n) if n <= 16 else row_bucket(n) < 1.5 * n)
