@@ -108,7 +108,7 @@ def test_figure8_separate_steps():
 def test_figure9_beam_search_tree():
     """Width 4, block size 4. The paper's block 0 (the prompt) is our null block, so it is 13."""
     prompt_block = 13
-    bm = BlockManager.create(14, 4, free_block_ids=[13, *range(1, 13)])
+    bm = BlockManager.create(14, 4, free_block_ids=[prompt_block, *range(1, 13)])
     bm, _ = bm.allocate(0, [1, 2, 3, 4])
     bm = bm.fork(0, 3)
     for t in range(8):  # candidates 0 and 3 fill their 2nd and 3rd blocks
