@@ -6,6 +6,12 @@ the peak readings taken around it). Decode: the real default model's compiled de
 `ModelRunner` (packed rows, paged attention over a `context`-token cache per sequence, the LM head
 for every row), timed compile-free, median of `repeats` steps.
 
+The small batches show what batching buys on this machine: a decode step reads every weight
+once whatever the batch (a fixed cost), and on a CPU each row adds compute that soon dominates, so
+tokens/s saturates after a few dozen rows (on a GPU it keeps growing far longer). That curve
+bounds what any memory manager can gain by fitting more sequences in the batch
+(`throughput_vs_batch_1`).
+
 Model FLOPs per decoded token: 2 x (every matmul weight, LM head included) + 4 x context x
 num_heads x head_dim x num_layers (QK^T and PV). Embedding lookups, norms and softmax count zero.
 
@@ -114,7 +120,7 @@ def main(argv=None) -> dict:
     from jpaged.loader import load_model
 
     loaded = load_model(None)
-    batches = (64, 128) if args.quick else (16, 32, 64, 128, 256)
+    batches = (64, 128) if args.quick else (1, 4, 8, 16, 24, 32, 64, 128, 256)
     repeats = 3 if args.quick else 7
     flops_per_token = decode_flops_per_token(loaded.config, args.context)
     peaks, rows = [matmul_peak()], []
@@ -127,6 +133,8 @@ def main(argv=None) -> dict:
                          model_gflops=gflops, peak_gflops=peak, mfu=gflops / peak))
         print(f"batch {batch:4d}: decode step {1e3 * seconds:7.1f} ms, {batch / seconds:6.0f} tok/s, "
               f"{gflops:6.1f} GFLOP/s = {gflops / peak:.0%} of the f32 matmul peak ({peak:.0f} GFLOP/s)", flush=True)
+    for r in rows:
+        r["throughput_vs_batch_1"] = r["tokens_per_s"] / rows[0]["tokens_per_s"] if batches[0] == 1 else None
     at_64 = [r["mfu"] for r in rows if r["batch"] >= 64]
     result = {"benchmark": "mfu", "machine": machine_info(),
               "settings": {"context": args.context, "block_size": BLOCK_SIZE, "dtype": "float32",
