@@ -15,7 +15,7 @@ bounds what any memory manager can gain by fitting more sequences in the batch
 Model FLOPs per decoded token: 2 x (every matmul weight, LM head included) + 4 x context x
 num_heads x head_dim x num_layers (QK^T and PV). Embedding lookups, norms and softmax count zero.
 
-    python bench/mfu.py [--quick] [--out bench/results]     # writes mfu.json and mfu.png
+    python bench/mfu.py [--quick] [--out bench/results]     # writes mfu.json and mfu.png (--quick: mfu_quick.*)
 
 Goal (issue 5): decode at batch >= 64 reaches 40% of the f32 matmul peak.
 """
@@ -142,8 +142,9 @@ def main(argv=None) -> dict:
                            "model_flops_per_token": flops_per_token, "repeats": repeats},
               "peak_readings_gflops": peaks, "rows": rows,
               "goal": {"mfu_at_batch_64_or_more": 0.40, "best": max(at_64), "met": max(at_64) >= 0.40}}
-    write_json(args.out / "mfu.json", result)
-    plot(rows, args.out / "mfu.png")
+    stem = "mfu_quick" if args.quick else "mfu"
+    write_json(args.out / f"{stem}.json", result)
+    plot(rows, args.out / f"{stem}.png")
     return result
 
 
