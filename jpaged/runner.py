@@ -147,8 +147,8 @@ class ModelRunner:
                                 step=columns["step"])
         use_filter = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0) for r in rows)
         use_random = any(r.temperature > 0 for r in rows)
-        out = self._run("sample", logits, columns["row"], params, num_top=bucket(num_top) if num_top else 0, use_filter=use_filter,
-                        use_random=use_random)
+        out = self._run("sample", logits, columns["row"], params, num_top=bucket(num_top) if num_top else 0,
+                        use_filter=use_filter, use_random=use_random)
         out = jax.device_get(out)
         k = len(rows)
         return {"token_ids": out.token_ids[:k], "logprobs": out.logprobs[:k],
