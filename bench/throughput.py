@@ -34,6 +34,8 @@ duration over the steps that hold anything; `engine_kv_utilization` is `engine.s
     python bench/throughput.py --quick            # 32 requests, offline only (see PRESETS for times)
     python bench/throughput.py --preset mini      # the whole protocol on the 1/8 miniature
     python bench/throughput.py                    # the whole protocol at the paper's scale
+
+Results: `throughput.json` / `.png` for --quick, `throughput_<preset>.*` for the other presets.
 """
 
 from __future__ import annotations
@@ -622,10 +624,12 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     common.use_compile_cache(args)
     start = time.perf_counter()
-    out = run("quick" if args.quick else args.preset, scale=args.scale, systems=tuple(args.systems), seed=args.seed,
+    preset = "quick" if args.quick else args.preset
+    out = run(preset, scale=args.scale, systems=tuple(args.systems), seed=args.seed,
               rates=args.rates, num_rates=args.num_rates, requests=args.requests, clock=args.clock)
     out["settings"]["compile_cache"] = args.compile_cache
-    return common.report(out, args.out, "throughput", start, plot, print_table)
+    name = "throughput" if preset == "quick" else f"throughput_{preset}"  # presets never overwrite each other
+    return common.report(out, args.out, name, start, plot, print_table)
 
 
 if __name__ == "__main__":
