@@ -101,7 +101,7 @@ def sample(logits, rows, params: SamplingInputs, *, num_top: int = 1, use_filter
     temperature > 0), `use_filter` the top-k/top-p filter (only when a row needs it), `num_top`
     the `num_top` most likely tokens per row (0: none, `top_ids` is [B, 0]).
 
-    Greedy rows read each logits row twice (max/argmax, then the exp-sum) and never copy it: the
+    Greedy rows only read the logits (row max, exp-sum, argmax) and never copy them: the
     log-probability of a token is `(logit - max) - log(sum(exp(logits - max)))`, the very operations
     of `jax.nn.log_softmax`, computed for the chosen and the top tokens only.
     """

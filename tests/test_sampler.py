@@ -74,3 +74,28 @@ def test_sample_seeding_and_greedy_rows():
     keys = [row_key(jnp.uint32(7), jnp.int32(i), jnp.int32(t)) for i, t in [(0, 0), (0, 1), (1, 0)]]
     data = [tuple(np.asarray(jax.random.key_data(k)).ravel()) for k in keys]
     assert len(set(data)) == 3
+
+
+@pytest.mark.parametrize("num_top", [0, 1, 4])
+def test_logprobs_match_a_float64_log_softmax(num_top):
+    """Chosen and top log-probabilities per sample row (two samples share logits row 1) against
+    numpy's float64 log-softmax; num_top=0 returns no top tokens."""
+    logits = np.random.default_rng(3).standard_normal((3, 300)).astype(np.float32) * 4
+    rows = np.asarray([0, 1, 1, 2], np.int32)
+    n = len(rows)
+    params = SamplingInputs(temperature=jnp.asarray([0.0, 0.0, 1.0, 0.7], jnp.float32), top_k=jnp.zeros(n, jnp.int32),
+                            top_p=jnp.ones(n, jnp.float32), seed=jnp.arange(n, dtype=jnp.uint32),
+                            sample_index=jnp.zeros(n, jnp.int32), step=jnp.zeros(n, jnp.int32))
+    out = sample(jnp.asarray(logits), jnp.asarray(rows), params, num_top=num_top)
+    x = logits.astype(np.float64)
+    reference = x - x.max(-1, keepdims=True)
+    reference -= np.log(np.exp(reference).sum(-1, keepdims=True))
+    tokens = np.asarray(out.token_ids)
+    assert list(tokens[:2]) == list(np.argmax(logits[rows[:2]], -1))  # the greedy rows
+    np.testing.assert_allclose(np.asarray(out.logprobs), reference[rows, tokens], atol=1e-5)
+    assert out.top_ids.shape == (n, num_top) and out.top_logprobs.shape == (n, num_top)
+    if num_top:
+        expected_ids = np.argsort(-reference, axis=-1, kind="stable")[rows, :num_top]
+        np.testing.assert_array_equal(np.asarray(out.top_ids), expected_ids)
+        np.testing.assert_allclose(np.asarray(out.top_logprobs), np.take_along_axis(reference[rows], expected_ids, -1),
+                                   atol=1e-5)
