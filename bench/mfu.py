@@ -8,7 +8,8 @@ for every row), timed compile-free, median of `repeats` steps.
 
 The small batches show what batching buys on this machine: a decode step reads every weight
 once whatever the batch (a fixed cost), and on a CPU each row adds compute that soon dominates, so
-tokens/s saturates after a few dozen rows (on a GPU it keeps growing far longer). That curve
+tokens/s saturates after a few dozen rows (the paper's GPU decode, bound by memory reads, keeps
+gaining with the batch). That curve
 bounds what any memory manager can gain by fitting more sequences in the batch
 (`throughput_vs_batch_1`).
 

@@ -63,7 +63,7 @@ TRACE_PARAMS = dict(sharegpt_like=traces_lib.SHAREGPT, alpaca_like=traces_lib.AL
 TOKEN_ID_RANGE = (1000, 40000)  # ordinary vocabulary tokens (SmolLM2's specials are < 50)
 
 # Time on the 2-core development machines with the packed / tiled attention path: quick 2 min,
-# mini 22 min (measured). full is not run yet: 8x longer sequences (2048-token contexts) and 5x
+# mini 23 min (measured). full is not run yet: 8x longer sequences (2048-token contexts) and 5x
 # the requests of mini; expect several hours on 2 cores: run it on a GPU machine, or run mini.
 # Requests per trace: enough that memory, not the longest request, bounds a run.
 PRESETS = {
