@@ -9,9 +9,8 @@ for every row), timed compile-free, median of `repeats` steps.
 The small batches show what batching buys on this machine: a decode step reads every weight
 once whatever the batch (a fixed cost), and on a CPU each row adds compute that soon dominates, so
 tokens/s saturates after a few dozen rows (the paper's GPU decode, bound by memory reads, keeps
-gaining with the batch). That curve
-bounds what any memory manager can gain by fitting more sequences in the batch
-(`throughput_vs_batch_1`).
+gaining with the batch). That curve bounds what any memory manager can gain by fitting more
+sequences in the batch (`throughput_vs_batch_1`).
 
 Model FLOPs per decoded token: 2 x (every matmul weight, LM head included) + 4 x context x
 num_heads x head_dim x num_layers (QK^T and PV). Embedding lookups, norms and softmax count zero.
