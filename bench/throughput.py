@@ -65,8 +65,9 @@ TRACE_PARAMS = dict(sharegpt_like=traces_lib.SHAREGPT, alpaca_like=traces_lib.AL
 TOKEN_ID_RANGE = (1000, 40000)  # ordinary vocabulary tokens (SmolLM2's specials are < 50)
 
 # Time on the 2-core development machines with the packed / tiled attention path: quick 2 min,
-# mini 23 min (measured). full is not run yet: 8x longer sequences (2048-token contexts) and 5x
-# the requests of mini; expect several hours on 2 cores: run it on a GPU machine, or run mini.
+# mini 23 min (measured). full: its offline ShareGPT-like part alone took 43 min (`--traces
+# sharegpt_like --num-rates 0`); the whole preset (Alpaca-like too, and both Poisson sweeps) is
+# estimated at 4-5 hours on 2 cores and was not run whole: run it on a bigger machine, or run mini.
 # Requests per trace: enough that memory, not the longest request, bounds a run.
 PRESETS = {
     "quick": dict(scale=8, offline={"sharegpt_like": 32}, online={}, num_rates=0),
