@@ -221,3 +221,20 @@ def test_metrics_and_sustained_rate_on_a_hand_made_run():
     curve = [dict(rate=r, normalized_latency=dict(mean=v)) for r, v in ((1, 0.1), (2, 0.15), (4, 0.21), (8, 0.1))]
     assert throughput.sustained(curve) == 2  # 0.21 > 2 x 0.1 ends the curve
     assert throughput.sustained(curve[:1] + [dict(rate=3, skipped="x")]) == 1
+
+
+def test_offline_recost_charges_each_shape_its_median_or_its_fastest_run():
+    bench = object.__new__(throughput.Bench)  # the cost table alone: no model
+    bench.clock, bench.pool_slots = "cpu", 128
+    shape = ("decode", 2, 4)
+    bench.device_times = {shape: [(9.0, 0.5), (9.0, 0.2), (9.0, 0.3)]}  # (wall, cpu) per run
+    w = throughput.make_workload("alpaca_like", 2, seed=0, scale=1)
+    # host CPU 0.6 s per step (cpu 1.0 minus 0.4 in the model step); the model step: median 0.3, min 0.2
+    steps = [throughput.Step(shape, 1.0, 2.0, 0.4, 0.0, 0.0, 2, 0, 0, 1, 10, 16, False, finished)
+             for finished in (("0",), ("1",))]
+    assert bench.step_cost(steps[0]) == pytest.approx(0.9)
+    assert bench.step_cost(steps[0], "min") == pytest.approx(0.8)
+    assert bench.recost(w, steps)["makespan_s"] == pytest.approx(1.8)
+    assert bench.recost(w, steps, "min")["makespan_s"] == pytest.approx(1.6)
+    bench.clock = "wall"
+    assert bench.step_cost(steps[0], "min") == 2.0
