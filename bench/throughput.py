@@ -68,7 +68,9 @@ TOKEN_ID_RANGE = (1000, 40000)  # ordinary vocabulary tokens (SmolLM2's specials
 # mini 23 min (measured). full: its offline ShareGPT-like part alone took 43 min (`--traces
 # sharegpt_like --num-rates 0`); the whole preset (Alpaca-like too, and both Poisson sweeps) is
 # estimated at 4-5 hours on 2 cores and was not run whole: run it on a bigger machine, or run mini.
-# Requests per trace: enough that memory, not the longest request, bounds a run.
+# Requests per trace: enough that memory binds most of a run. The longest request still sets a floor
+# on the makespan (at full scale the Alpaca-like trace's 1,510-token output took most of paged's
+# 1,528 decode steps); `backlogged_output_tokens_per_s` measures the phase where memory binds.
 PRESETS = {
     "quick": dict(scale=8, offline={"sharegpt_like": 32}, online={}, num_rates=0),
     "mini": dict(scale=8, offline={"sharegpt_like": 128}, online={"sharegpt_like": 96}, num_rates=5),
