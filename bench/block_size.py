@@ -154,7 +154,7 @@ class ShapeClock:
         if step["signature"] is None:
             return step["measured"]
         times = self.times[step["signature"]]
-        return step["measured"] - step["device"] + (min(times) if stat == "min" else float(np.median(times)))
+        return step["measured"] - step["device"] + common.shape_time(times, stat)
 
     def detach(self) -> None:
         self.runner.execute, self.runner.sample = self._raw

@@ -118,6 +118,14 @@ def summarize(values) -> dict:
                 p90=float(np.percentile(v, 90)), max=float(v.max()), count=int(v.size))
 
 
+def shape_time(times, stat: str = "median") -> float:
+    """What a step shape is charged from its timed runs: their median (the shape-median clock) or
+    their least (the shape-min clock, which a noisy stretch of a benchmark moves far less)."""
+    if stat not in ("median", "min"):
+        raise ValueError(f"stat must be 'median' or 'min', got {stat!r}")
+    return float(min(times) if stat == "min" else np.median(times))
+
+
 DEFAULT_COMPILE_CACHE = str(Path.home() / ".cache" / "jpaged" / "xla")
 
 

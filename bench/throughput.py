@@ -183,8 +183,7 @@ class Bench:
 
     def device_cost(self, signature: tuple, stat: str = "median") -> float:
         """CPU seconds of a shape's model step and sampler: the median of its runs, or the least."""
-        times = [cpu for _, cpu in self.device_times[signature]]
-        return float(min(times) if stat == "min" else np.median(times))
+        return common.shape_time([cpu for _, cpu in self.device_times[signature]], stat)
 
     def step_cost(self, step: "Step", stat: str = "median") -> float:
         if self.clock == "wall":
@@ -196,9 +195,7 @@ class Bench:
     def recost(self, workload: "Workload", steps: list, stat: str = "median") -> dict:
         """An offline run's metrics under the final cost table (its schedule ignores the clock);
         `stat="min"` charges each shape its fastest run instead of its median (the shape-min clock)."""
-        assert all(r.arrival_time == 0 for r in workload.requests)
-        costs = [self.step_cost(st, stat) for st in steps]
-        return metrics(workload, steps, list(np.cumsum([0.0] + costs[:-1])), costs, self.pool_slots)
+        return offline_metrics(workload, steps, [self.step_cost(st, stat) for st in steps], self.pool_slots)
 
     def _instrument(self, runner) -> None:
         """Times the runner's model step and sampler, re-running a call that compiled; records shapes."""
@@ -379,6 +376,12 @@ def metrics(workload: Workload, steps: list, starts: list, costs: list, pool_slo
     )
 
 
+def offline_metrics(workload: Workload, steps: list, costs: list, pool_slots: int) -> dict:
+    """`metrics` of an offline run (every request at t=0) whose steps ran back to back at `costs`."""
+    assert all(r.arrival_time == 0 for r in workload.requests)
+    return metrics(workload, steps, list(np.cumsum([0.0] + costs[:-1])), costs, pool_slots)
+
+
 # ---- the experiment ----------------------------------------------------------------------------
 
 def rate_grid(offline: dict, num_rates: int) -> list[float]:
@@ -464,8 +467,7 @@ def run(preset: str = "quick", scale: int | None = None, systems=SYSTEMS, seed: 
             r.update(bench.recost(workload, steps))
             least = bench.recost(workload, steps, "min")
             r["shape_min_clock"] = {k: least[k] for k in keys}
-            walls = [st.wall for st in steps]
-            m = metrics(workload, steps, list(np.cumsum([0.0] + walls[:-1])), walls, bench.pool_slots)
+            m = offline_metrics(workload, steps, [st.wall for st in steps], bench.pool_slots)
             r["wall_clock"] = {k: m[k] for k in keys}
 
     for name, num in offline_sizes.items():
