@@ -414,9 +414,35 @@ def ratios(by_system: dict, key) -> dict:
             for s, r in by_system.items() if s != "paged"}
 
 
+def saved_offline(path: Path, scale: int, online: dict) -> dict:
+    """The offline results, per trace, of an earlier run saved at `path`, for the traces of `online`
+    it covers: the Poisson sweep takes its rate grid from them instead of running them again.
+    The earlier run must be at the same scale, with the same KV pool."""
+    import json
+
+    saved = json.loads(Path(path).read_text())
+    settings = saved["settings"]
+    if settings["scale"] != scale or settings["pool_slots"] != POOL_SLOTS // scale:
+        raise ValueError(f"{path} was run at scale 1/{settings['scale']} with {settings['pool_slots']} KV slots, "
+                         f"this run is at scale 1/{scale}: give --scale {settings['scale']} or another file")
+    found = {name: {system: dict(r, source=str(path)) for system, r in results.items()}
+             for name, results in saved["offline"].items() if name in online}
+    if not found:
+        raise ValueError(f"{path} has offline results for {sorted(saved['offline'])}, none of this run's "
+                         f"Poisson traces {sorted(online)}: choose them with --traces")
+    for name, results in found.items():
+        missing = {"paged", "orca_max"} - set(results)
+        if missing:
+            raise ValueError(f"{path} lacks the offline {name} run of {sorted(missing)}, which the rate grid needs")
+    return found
+
+
 def run(preset: str = "quick", scale: int | None = None, systems=SYSTEMS, seed: int = 0,
         rates: list[float] | None = None, num_rates: int | None = None, requests: int | None = None,
-        clock: str = "cpu", traces: tuple | None = None, log=print) -> dict:
+        clock: str = "cpu", traces: tuple | None = None, rates_from: Path | None = None, log=print) -> dict:
+    """Runs the preset (offline, then the Poisson sweep) and returns the results. `rates_from`: a
+    saved result whose offline runs give the rate grid of the traces it covers (`saved_offline`);
+    those offline runs are not repeated and are copied, marked with their `source`, into the result."""
     cfg = dict(PRESETS[preset])
     scale = scale or cfg["scale"]
     num_rates = cfg["num_rates"] if num_rates is None else num_rates
@@ -431,6 +457,8 @@ def run(preset: str = "quick", scale: int | None = None, systems=SYSTEMS, seed: 
         online_sizes = dict(offline_sizes)
     if num_rates == 0 and rates is None:
         online_sizes = {}
+    reused = saved_offline(rates_from, scale, online_sizes) if rates_from is not None else {}
+    offline_sizes = {k: v for k, v in offline_sizes.items() if k not in reused}
     if online_sizes and rates is None and not {"paged", "orca_max"} <= set(systems):
         raise ValueError("the default rate grid comes from paged's and orca_max's offline runs: "
                          "run both, or give --rates")
@@ -443,6 +471,7 @@ def run(preset: str = "quick", scale: int | None = None, systems=SYSTEMS, seed: 
         max_model_len=traces_lib.MAX_MODEL_LEN // scale, systems=list(systems), dtype="float32",
         model="SmolLM2-135M-Instruct (default)", offline_requests=offline_sizes,
         online_requests=online_sizes, num_rates=num_rates, rates=rates,
+        offline_reused_from=str(rates_from) if reused else None,
         sampling="temperature=0, max_tokens=output_len, ignore_eos=True",
         trace_params={n: {**p, "mean_in": p["mean_in"] / scale, "mean_out": p["mean_out"] / scale}
                       for n, p in TRACE_PARAMS.items()},
@@ -487,6 +516,7 @@ def run(preset: str = "quick", scale: int | None = None, systems=SYSTEMS, seed: 
                 r["same_tokens_as_paged"] = float(np.mean([a == b for a, b in zip(digest, paged_digest)]))
         out["offline"][name] = results
     recost_offline()  # the rate grid comes from these
+    out["offline"].update(reused)
     for t, (name, num) in enumerate(online_sizes.items()):
         base = make_workload(name, num, seeds["trace"][name], scale)
         out["traces"].setdefault(name, base.describe())
@@ -524,6 +554,8 @@ def run(preset: str = "quick", scale: int | None = None, systems=SYSTEMS, seed: 
         s["throughput_ratio_shape_min_clock"] = ratios(results, lambda r: r["shape_min_clock"]["output_tokens_per_s"])
         s["throughput_ratio_wall_clock"] = ratios(results, lambda r: r["wall_clock"]["output_tokens_per_s"])
         s["peak_running"] = {k: r["peak_running"] for k, r in results.items()}
+        if name in reused:
+            s["offline_reused_from"] = str(rates_from)
     for name, online in out["online"].items():
         sustained_rate = online["sustained_rate"]
         s = out["summary"].setdefault(name, {})
@@ -638,6 +670,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--requests", type=int, help="requests per trace (overrides the preset)")
     parser.add_argument("--rates", type=float, nargs="+", help="Poisson rates, requests/s (default: a grid)")
     parser.add_argument("--num-rates", type=int, help="size of the default rate grid (0: offline only)")
+    parser.add_argument("--rates-from", type=Path, help="a saved result (JSON) whose offline runs give the "
+                        "rate grid: those offline runs are not repeated")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--traces", nargs="+", choices=tuple(TRACE_PARAMS), help="only these of the preset's traces")
     parser.add_argument("--name", help="results file stem (default: throughput for --quick, "
@@ -652,7 +686,7 @@ def main(argv=None) -> dict:
     preset = "quick" if args.quick else args.preset
     out = run(preset, scale=args.scale, systems=tuple(args.systems), seed=args.seed,
               rates=args.rates, num_rates=args.num_rates, requests=args.requests, clock=args.clock,
-              traces=tuple(args.traces) if args.traces else None)
+              traces=tuple(args.traces) if args.traces else None, rates_from=args.rates_from)
     out["settings"]["compile_cache"] = args.compile_cache
     # presets never overwrite each other; --name keeps a partial run from overwriting its preset's
     name = args.name or ("throughput" if preset == "quick" else f"throughput_{preset}")

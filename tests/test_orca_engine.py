@@ -5,6 +5,7 @@ model: memory management must never change what is generated, only how much runs
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -238,3 +239,22 @@ def test_offline_recost_charges_each_shape_its_median_or_its_fastest_run():
     assert bench.recost(w, steps, "min")["makespan_s"] == pytest.approx(1.6)
     bench.clock = "wall"
     assert bench.step_cost(steps[0], "min") == 2.0
+
+
+def test_a_saved_offline_run_gives_the_rate_grid_only_for_the_same_experiment(tmp_path):
+    offline = {s: dict(requests_per_s=rps, num_requests=4) for s, rps in (("paged", 0.2), ("orca_max", 0.1))}
+    saved = dict(settings=dict(scale=8, pool_slots=throughput.POOL_SLOTS // 8), offline={"sharegpt_like": offline})
+    path = tmp_path / "offline.json"
+    path.write_text(json.dumps(saved))
+    found = throughput.saved_offline(path, 8, {"sharegpt_like": 96})
+    assert found["sharegpt_like"]["paged"] == dict(offline["paged"], source=str(path))
+    grid = throughput.rate_grid(found["sharegpt_like"], 3)
+    assert grid == pytest.approx([0.05, 0.05 * 5 ** 0.5, 0.25])  # half Orca(Max)'s rate to 1.25x paged's
+    with pytest.raises(ValueError, match="--scale 8"):
+        throughput.saved_offline(path, 1, {"sharegpt_like": 96})
+    with pytest.raises(ValueError, match="--traces"):
+        throughput.saved_offline(path, 8, {"alpaca_like": 256})
+    del saved["offline"]["sharegpt_like"]["orca_max"]
+    path.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="orca_max"):
+        throughput.saved_offline(path, 8, {"sharegpt_like": 96})
