@@ -390,7 +390,7 @@ def main(argv=None) -> dict:
                              compile_cache=args.compile_cache),
                seeds={name: args.seed + k for k, name in enumerate(preset["traces"])},
                paper=dict(best_block_sizes=PAPER_BEST), **out)
-    return common.report(out, args.out, "block_size", start, plot, print_table)
+    return common.report(out, args.out, common.results_stem("block_size", args.quick), start, plot, print_table)
 
 
 if __name__ == "__main__":

@@ -85,9 +85,16 @@ def write_json(path: Path, obj) -> Path:
     return path
 
 
+def results_stem(name: str, quick: bool) -> str:
+    """A benchmark's results file stem: `<name>_quick` for its --quick preset, so that `python -m
+    bench --quick` never overwrites the full results the README quotes; `<name>` otherwise."""
+    return f"{name}_quick" if quick else name
+
+
 def report(out: dict, out_dir: Path, name: str, start: float, plot, print_table) -> dict:
     """A benchmark's ending: its wall time (since `start`, `time.perf_counter`) into `out`, then
-    `<out_dir>/<name>.json`, `plot(out, <out_dir>/<name>.png)`, `print_table(out)` and one summary line."""
+    `<out_dir>/<name>.json`, `plot(out, <out_dir>/<name>.png)`, `print_table(out)` and one summary line
+    (`name`: see `results_stem`)."""
     out["wall_seconds"] = time.perf_counter() - start
     write_json(Path(out_dir) / f"{name}.json", out)
     plot(out, Path(out_dir) / f"{name}.png")

@@ -1,6 +1,7 @@
 """GPU check of the Pallas kernels: compile for real, check against references, time.
 
-One command, under 5 minutes on one H200 (Python 3.12, jax 0.11.2 with CUDA, no network):
+One command, sized for under 5 minutes on one H200 (Python 3.12, jax 0.11.2 with CUDA, no network;
+not yet run on a GPU: no GPU machine has been lent to this project):
 
     python bench/gpu_kernels.py --out DIR            # full sweep (~20 shapes, two head configs)
     python bench/gpu_kernels.py --out DIR --quick    # a handful of shapes

@@ -376,7 +376,7 @@ def main(argv=None) -> dict:
                            max_model_len=traces_lib.MAX_MODEL_LEN, null_block="excluded from the pool",
                            trace_params=dict(sharegpt_like=traces_lib.SHAREGPT, alpaca_like=traces_lib.ALPACA))
     out["machine"] = common.machine_info()
-    return common.report(out, args.out, "memory_utilization", start, plot, print_table)
+    return common.report(out, args.out, common.results_stem("memory_utilization", args.quick), start, plot, print_table)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from bench.common import RESULTS_DIR, machine_info, write_json  # noqa: E402
+from bench.common import RESULTS_DIR, machine_info, results_stem, write_json  # noqa: E402
 
 PEAK_N = 2048
 BLOCK_SIZE = 16
@@ -142,7 +142,7 @@ def main(argv=None) -> dict:
                            "model_flops_per_token": flops_per_token, "repeats": repeats},
               "peak_readings_gflops": peaks, "rows": rows,
               "goal": {"mfu_at_batch_64_or_more": 0.40, "best": max(at_64), "met": max(at_64) >= 0.40}}
-    stem = "mfu_quick" if args.quick else "mfu"
+    stem = results_stem("mfu", args.quick)
     write_json(args.out / f"{stem}.json", result)
     plot(rows, args.out / f"{stem}.png")
     return result

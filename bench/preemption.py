@@ -218,7 +218,7 @@ def main(argv=None) -> dict:
                              trace_params=TRACE_PARAMS[preset["trace"]], compile_cache=args.compile_cache),
                seeds=dict(trace=args.seed, prompts=args.seed + 10_000),
                paper="recompute <= 1.2x swap's time; close at block sizes 16-64; swap slow at small blocks", **out)
-    return common.report(out, args.out, "preemption", start, plot, print_table)
+    return common.report(out, args.out, common.results_stem("preemption", args.quick), start, plot, print_table)
 
 
 if __name__ == "__main__":

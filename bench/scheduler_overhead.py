@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from bench.common import RESULTS_DIR, machine_info, write_json  # noqa: E402
+from bench.common import RESULTS_DIR, machine_info, results_stem, write_json  # noqa: E402
 
 PROMPT_LEN = 32
 WARMUP_STEPS = 2
@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
                            "attention_backend": "auto"},
               "rows": rows,
               "goal": {"host_fraction_at_256_below": 0.10, "met": rows[-1]["host_fraction"] < 0.10}}
-    write_json(args.out / "scheduler_overhead.json", result)
+    write_json(args.out / f"{results_stem('scheduler_overhead', args.quick)}.json", result)
     return result
 
 

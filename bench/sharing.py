@@ -367,7 +367,7 @@ def print_table(out: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = common.bench_parser(__doc__.splitlines()[0], "4 prompts, max 32 tokens; 16 shared-prefix requests")
+    parser = common.bench_parser(__doc__.splitlines()[0], "4 prompts, max 32 tokens; 8 shared-prefix requests")
     args = parser.parse_args(argv)
     common.use_compile_cache(args)
     preset_name = "quick" if args.quick else "full"
@@ -397,7 +397,7 @@ def main(argv=None) -> dict:
         machine=machine, model_load_seconds=sw.seconds, sharing=sharing, prefix=prefix,
         paper=dict(alpaca=PAPER_ALPACA, sharegpt_range=PAPER_SHAREGPT_RANGE,
                    shared_prefix="1.67x (1-shot, 80 tokens) .. 3.58x (5-shot, 341 tokens), LLaMA-13B"))
-    return common.report(out, args.out, "sharing", start, plot, print_table)
+    return common.report(out, args.out, common.results_stem("sharing", args.quick), start, plot, print_table)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ TRACE_PARAMS = dict(sharegpt_like=traces_lib.SHAREGPT, alpaca_like=traces_lib.AL
 TOKEN_ID_RANGE = (1000, 40000)  # ordinary vocabulary tokens (SmolLM2's specials are < 50)
 
 # Time on the 2-core development machines with the packed / tiled attention path: quick 2 min,
-# mini 23 min (measured). full: its offline ShareGPT-like part alone took 43 min (`--traces
+# mini 21 min (measured). full: its offline ShareGPT-like part alone took 43 min (`--traces
 # sharegpt_like --num-rates 0`); the whole preset (Alpaca-like too, and both Poisson sweeps) is
 # estimated at 4-5 hours on 2 cores and was not run whole: run it on a bigger machine, or run mini.
 # Requests per trace: enough that memory binds most of a run. The longest request still sets a floor

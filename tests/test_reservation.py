@@ -212,3 +212,12 @@ def test_external_fragmentation_is_reported_when_no_run_fits():
     assert (steps["external"][2:20] == 8 * 16).all() and (steps["free"][2:20] == 0).all()
     assert (steps["external"][20:] == 0).all() and steps["num_running"][20] == 1
     assert len(steps["free"]) == 30
+
+
+def test_the_quick_preset_writes_its_own_files_and_keeps_the_full_results(tmp_path):
+    (tmp_path / "memory_utilization.json").write_text("{}")  # a full run's results, quoted by the README
+    out = mu.main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "memory_utilization.json").read_text() == "{}"
+    assert {p.name for p in tmp_path.iterdir()} >= {"memory_utilization_quick.json", "memory_utilization_quick.png"}
+    paged = {row["system"]: row for row in out["results"]["sharegpt_like/t0"]}["paged_bs16"]
+    assert paged["utilization"] >= paged["floor"] - 0.01  # paged wastes at most its last blocks
