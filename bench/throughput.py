@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -65,9 +66,10 @@ TRACE_PARAMS = dict(sharegpt_like=traces_lib.SHAREGPT, alpaca_like=traces_lib.AL
 TOKEN_ID_RANGE = (1000, 40000)  # ordinary vocabulary tokens (SmolLM2's specials are < 50)
 
 # Time on the 2-core development machines with the packed / tiled attention path: quick 2 min,
-# mini 21 min (measured). full: its offline ShareGPT-like part alone took 43 min (`--traces
-# sharegpt_like --num-rates 0`); the whole preset (Alpaca-like too, and both Poisson sweeps) is
-# estimated at 4-5 hours on 2 cores and was not run whole: run it on a bigger machine, or run mini.
+# mini 21 min (measured). full, run in parts (README): offline ShareGPT-like 43 min, offline
+# Alpaca-like 17 min, the ShareGPT-like Poisson sweep for paged and Orca(Max) at 4 rates 71 min (a
+# low-rate run costs more than an offline one: small batches); the whole preset (every system, 5
+# rates, both traces) is estimated at 5 hours on 2 cores: run it on a bigger machine, or run mini.
 # Requests per trace: enough that memory binds most of a run. The longest request still sets a floor
 # on the makespan (at full scale the Alpaca-like trace's 1,510-token output took most of paged's
 # 1,528 decode steps); `backlogged_output_tokens_per_s` measures the phase where memory binds.
@@ -418,8 +420,6 @@ def saved_offline(path: Path, scale: int, online: dict) -> dict:
     """The offline results, per trace, of an earlier run saved at `path`, for the traces of `online`
     it covers: the Poisson sweep takes its rate grid from them instead of running them again.
     The earlier run must be at the same scale, with the same KV pool."""
-    import json
-
     saved = json.loads(Path(path).read_text())
     settings = saved["settings"]
     if settings["scale"] != scale or settings["pool_slots"] != POOL_SLOTS // scale:
@@ -603,7 +603,9 @@ def plot(out: dict, path: Path) -> None:
             r = out["offline"][n][system]
             ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(),
                     f"{r['peak_running']}\n{r['kv_utilization']:.0%}", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(names)), [f"{n}\n({out['traces'][n]['num_requests']} req)" for n in names])
+    ax.set_xticks(range(len(names)), [f"{n}\n({out['offline'][n][systems[0]]['num_requests']} req"
+                                      f"{', reused' if 'source' in out['offline'][n][systems[0]] else ''})"
+                                      for n in names])
     ax.set_ylabel("output tokens / s (offline, all at t=0)")
     ax.set_ylim(0, 1.3 * max(out["offline"][n][s]["output_tokens_per_s"] for n in names for s in systems))
     ax.set_title(f"offline throughput (on top: peak running, KV utilization); scale 1/{out['settings']['scale']}",
