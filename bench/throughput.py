@@ -69,8 +69,8 @@ TOKEN_ID_RANGE = (1000, 40000)  # ordinary vocabulary tokens (SmolLM2's specials
 
 # Time on the 2-core development machines with the packed / tiled attention path: quick 2 min,
 # mini 21 min (measured). full, run in parts (README): offline ShareGPT-like 43 min, offline
-# Alpaca-like 17 min, the ShareGPT-like Poisson sweep for paged and Orca(Max) at 4 rates 71 min (a
-# low-rate run costs more than an offline one: small batches); the whole preset (every system, 5
+# Alpaca-like 17 min, the Poisson sweeps for paged and Orca(Max) at 4 rates 71 min (ShareGPT-like)
+# and 24 min (Alpaca-like) (a low-rate run costs more than an offline one: small batches); the whole preset (every system, 5
 # rates, both traces) is estimated at 5 hours on 2 cores: run it on a bigger machine, or run mini.
 # Requests per trace: enough that memory binds most of a run. The longest request still sets a floor
 # on the makespan (at full scale the Alpaca-like trace's 1,510-token output took most of paged's
