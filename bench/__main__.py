@@ -6,8 +6,8 @@ scheduler's host overhead and the decode step's model FLOPs utilisation. The ful
 every benchmark at full size, vLLM's CPU build included: an estimated 5 hours on 2 cores, nearly
 all of it throughput's paper-scale sweep (not run whole; its parts measured: offline ShareGPT-like
 43 minutes, offline Alpaca-like 17, Poisson sweeps of two systems 71 (ShareGPT-like) and 24
-(Alpaca-like); `python bench/throughput.py --preset mini` is its 21-minute miniature; vs_peers alone took
-15 minutes).
+(Alpaca-like); `python bench/throughput.py --preset mini` is its 21-minute miniature; vs_peers
+alone took 15 minutes).
 Results: bench/results/<name>.json and .png (<name>_quick.* for --quick; throughput.py names its
 files by preset). `bench/gpu_kernels.py` runs on a GPU machine instead.
 """

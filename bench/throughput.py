@@ -36,8 +36,9 @@ duration over the steps that hold anything; `engine_kv_utilization` is `engine.s
     python bench/throughput.py --quick            # 32 requests, offline only (see PRESETS for times)
     python bench/throughput.py --preset mini      # the whole protocol on the 1/8 miniature
     python bench/throughput.py                    # the whole protocol at the paper's scale
-    python bench/throughput.py --traces sharegpt_like --rates-from bench/results/throughput_full_sharegpt_offline.json
-                                                  # its Poisson sweep alone, the grid from a saved offline run
+    python bench/throughput.py --traces sharegpt_like \
+        --rates-from bench/results/throughput_full_sharegpt_offline.json   # its Poisson sweep alone,
+                                                  # the rate grid from a saved offline run
 
 Results: `throughput.json` / `.png` for --quick, `throughput_<preset>.*` for the other presets.
 """
@@ -70,8 +71,9 @@ TOKEN_ID_RANGE = (1000, 40000)  # ordinary vocabulary tokens (SmolLM2's specials
 # Time on the 2-core development machines with the packed / tiled attention path: quick 2 min,
 # mini 21 min (measured). full, run in parts (README): offline ShareGPT-like 43 min, offline
 # Alpaca-like 17 min, the Poisson sweeps for paged and Orca(Max) at 4 rates 71 min (ShareGPT-like)
-# and 24 min (Alpaca-like) (a low-rate run costs more than an offline one: small batches); the whole preset (every system, 5
-# rates, both traces) is estimated at 5 hours on 2 cores: run it on a bigger machine, or run mini.
+# and 24 min (Alpaca-like); a low-rate run costs more than an offline one (small batches). The whole
+# preset (every system, 5 rates, both traces) is estimated at 5 hours on 2 cores: run it on a bigger
+# machine, or run mini.
 # Requests per trace: enough that memory binds most of a run. The longest request still sets a floor
 # on the makespan (at full scale the Alpaca-like trace's 1,510-token output took most of paged's
 # 1,528 decode steps); `backlogged_output_tokens_per_s` measures the phase where memory binds.
