@@ -36,9 +36,9 @@ duration over the steps that hold anything; `engine_kv_utilization` is `engine.s
     python bench/throughput.py --quick            # 32 requests, offline only (see PRESETS for times)
     python bench/throughput.py --preset mini      # the whole protocol on the 1/8 miniature
     python bench/throughput.py                    # the whole protocol at the paper's scale
-    python bench/throughput.py --traces sharegpt_like \
-        --rates-from bench/results/throughput_full_sharegpt_offline.json   # its Poisson sweep alone,
-                                                  # the rate grid from a saved offline run
+    python bench/throughput.py --traces sharegpt_like --rates-from RESULT.json
+                                                  # its Poisson sweep alone, the rate grid from a saved
+                                                  # offline run (RESULT: e.g. throughput_full_sharegpt_offline.json)
 
 Results: `throughput.json` / `.png` for --quick, `throughput_<preset>.*` for the other presets.
 """
