@@ -20,15 +20,13 @@ everything but tokens/s is deterministic.
 Clock: a shared 2-core machine makes wall time noisy (block sizes run one after the other once
 differed 2x with the same steps), so the block sizes serve each trace in lockstep (`interleave`:
 one engine step of each in turn) and contention hits them alike, and tokens/s is given on three
-clocks. `ShapeClock` (after `bench/throughput.py`) charges each step its measured host time plus
-a device time (model step + sampler) looked up by the step's padded shape in this LLM, over every
-time that shape ran (a shape seen fewer than 3 times is re-run off the clock): the headline uses
-the *median* device time of the shape (robust to bursts of contention, and unbiased for rare
-shapes such as the re-prefills after a preemption), `shape-min` the fastest (near the uncontended
-cost, but with few samples it favours frequent shapes), and `measured` is the plain wall time,
-compilation excluded. Each LLM first compiles its sampler on a tiny warm-up; rounds alternate the
-order of block sizes; the table gives the median over rounds and the ratio to block size 16 (the
-paper's default).
+clocks (`bench.clock.ShapeClock`, one per LLM, fed by the engine's step records): the headline
+charges each step its measured host time plus the *median* wall time of its shape's model step
+and sampler in this LLM (robust to bursts of contention, and unbiased for rare shapes such as the
+re-prefills after a preemption), `shape-min` the fastest (near the uncontended cost, but with few
+samples it favours frequent shapes), and `measured` is the plain wall time, compilation excluded.
+Each LLM first compiles its sampler on a tiny warm-up; rounds alternate the order of block sizes;
+the table gives the median over rounds and the ratio to block size 16 (the paper's default).
 
     python bench/block_size.py --quick   # ~3 min on 2 unloaded cores
     python bench/block_size.py           # full preset (~1 h on 2 unloaded cores)
@@ -52,6 +50,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `jpaged` impo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
+from bench.clock import ShapeClock  # noqa: E402
 from bench.throughput import TRACE_PARAMS, Workload, make_workload  # noqa: E402
 
 PRESETS = {
@@ -82,84 +81,6 @@ def warm_up(llm, workload: Workload) -> float:
     return time.perf_counter() - start
 
 
-class ShapeClock:
-    """Times a runner's model step and sampler (compile excluded) by padded shape, so that a step can be
-    charged the fastest device time seen for its shape (throughput.py's `shape-min` clock).
-
-    A shared machine inflates some steps at random; the minimum of several runs of one shape is close
-    to its uncontended cost, and two configurations that run the same shapes are charged the same.
-    A step is charged its measured host time (the step's wall time less the model step and sampler:
-    scheduling, block manager, swap copies, detokenization) plus the fastest device time of its
-    signature. A signature seen fewer than `repeats` times is re-run on the spot (a model step is
-    idempotent: it rewrites the same K/V into the same slots) to time it again, off the clock.
-    """
-
-    def __init__(self, runner, repeats: int = 3):
-        import jax
-
-        from jpaged.batch import bucket
-
-        self.runner, self.repeats = runner, repeats
-        self.times: dict = collections.defaultdict(list)  # signature -> device seconds
-        self.step_device = 0.0  # device seconds of the current step
-        self.signature = None
-        self.calibration_seconds = 0.0
-        execute, sample = runner.execute, runner.sample
-        self._raw = (execute, sample)
-
-        def timed(fn, *args, **kwargs):
-            compiled, start = runner.compile_seconds, time.perf_counter()
-            out = jax.block_until_ready(fn(*args, **kwargs))
-            self.step_device += time.perf_counter() - start - (runner.compile_seconds - compiled)
-            return out
-
-        def timed_execute(rows, *, decode):  # signature: the compiled step's input shapes
-            self.signature = ("decode" if decode else "prefill", runner.make_inputs(rows, decode=decode).shape_key)
-            self._last_execute = (rows, decode)
-            self.rows = len(rows)
-            return timed(execute, rows, decode=decode)
-
-        def timed_sample(logits, rows, num_top):
-            self._last_sample = (rows, num_top)
-            self.signature = self.signature + (bucket(num_top),)
-            return timed(sample, logits, rows, num_top)
-
-        runner.execute, runner.sample = timed_execute, timed_sample
-
-    def begin_step(self) -> None:
-        self.step_device, self.signature, self.rows = 0.0, None, 0
-
-    def end_step(self) -> dict:
-        """The step just run: signature (None without a model step), device seconds, real rows.
-        Calibrates a signature seen fewer than `repeats` times."""
-        sig, device = self.signature, self.step_device
-        if sig is not None:
-            self.times[sig].append(device)
-            if len(self.times[sig]) < self.repeats:
-                self._calibrate(sig)
-        return dict(signature=sig, device=device, rows=self.rows)
-
-    def _calibrate(self, sig) -> None:
-        execute, sample = self._raw
-        (rows, decode), (sample_rows, num_top) = self._last_execute, self._last_sample
-        start_all = time.perf_counter()
-        while len(self.times[sig]) < self.repeats:
-            start = time.perf_counter()
-            sample(execute(rows, decode=decode), sample_rows, num_top)
-            self.times[sig].append(time.perf_counter() - start)
-        self.calibration_seconds += time.perf_counter() - start_all
-
-    def cost(self, step: dict, stat: str = "median") -> float:
-        """The step's host time plus the `stat` ("median" or "min") device time of its signature."""
-        if step["signature"] is None:
-            return step["measured"]
-        times = self.times[step["signature"]]
-        return step["measured"] - step["device"] + common.shape_time(times, stat)
-
-    def detach(self) -> None:
-        self.runner.execute, self.runner.sample = self._raw
-
-
 def interleave(runs) -> list:
     """Runs generators (one engine step per `next`) round-robin until all are done; returns their
     return values in order. Configurations served in lockstep see the same contention on a shared
@@ -180,63 +101,49 @@ def interleave(runs) -> list:
 def serve(llm, workload: Workload, clock: ShapeClock, tag: str = ""):
     """Serves `workload` offline (every request at t=0) on `llm`, yielding after every engine step (drive
     it with `interleave`); returns the run's metrics, every request's token ids ("token_ids") and its
-    steps ("steps", for `cost_run`). tokens/s here is measured; `cost_run` adds the shape clocks'."""
+    steps on `clock` ("steps", for `cost_run`). tokens/s here is measured; `cost_run` adds the shape
+    clocks'."""
     from jpaged import SamplingParams
 
     engine = llm.engine
-    runner, scheduler = engine.runner, engine.scheduler
+    records = []
+    engine.add_observer(records.append)
     bs = engine.config.block_size
     pool_slots = (engine.num_blocks - 1) * bs
     for r in workload.requests:
         engine.add_request(f"{tag}{r.request_id}", list(workload.prompts[r.request_id]),
                            SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
-    preemptions_before, prompt_before = scheduler.num_preemptions, scheduler.num_prompt_tokens
-    compile_before = runner.compile_seconds
-    outputs, steps = {}, []
-    token_slots = used_slots = 0
-    peak_running = 0
+    outputs = {}
     while engine.has_unfinished():
-        compiled = runner.compile_seconds
-        clock.begin_step()
-        start = time.perf_counter()
-        outs = engine.step()
-        measured = time.perf_counter() - start - (runner.compile_seconds - compiled)
-        steps.append(dict(measured=measured, **clock.end_step()))
-        outputs.update((o.request_id, o) for o in outs if o.finished)
-        bm = scheduler.block_manager
-        used = bm.num_blocks - 1 - bm.num_free_blocks
-        if used:
-            used_slots += used * bs
-            token_slots += sum(bm.num_tokens(s) for s in bm.seq_ids if not bm.is_swapped(s))
-        peak_running = max(peak_running, len(scheduler.running))
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
         yield
+    engine.remove_observer(records.append)
     token_ids = []
     for r in workload.requests:
         out = outputs[f"{tag}{r.request_id}"].outputs[0]
         assert len(out.token_ids) == r.output_len and out.finish_reason == "length", (tag, r, out.finish_reason)
         token_ids.append(tuple(out.token_ids))
     out_tokens = sum(len(t) for t in token_ids)
-    elapsed = sum(st["measured"] for st in steps)
-    sigs = [st["signature"] for st in steps if st["signature"] is not None]
-    decode = [sig for sig in sigs if sig[0] == "decode"]
-    prefill = [sig for sig in sigs if sig[0] == "prefill"]
-
-    def packed(sig):  # the step's packed tokens (a decode step's rows): its token_ids shape, (N,)
-        return sig[1][0][0]
-
+    steps = [clock.observe(record) for record in records]
+    elapsed = sum(record.seconds for record in records)
+    decode = [record for record in records if record.kind == "decode"]
+    prefill = [record for record in records if record.kind == "prefill"]
+    used = [record.kv.num_blocks - 1 - record.kv.num_free_blocks for record in records]
+    token_slots = sum(sum(kv.num_tokens(s) for s in kv.seq_ids if not kv.is_swapped(s))
+                      for kv, u in zip((record.kv for record in records), used) if u)
     return dict(
-        elapsed_s=elapsed, compile_s=runner.compile_seconds - compile_before, output_tokens=out_tokens,
-        measured_tokens_per_s=out_tokens / elapsed, num_steps=len(steps), num_decode_steps=len(decode),
-        num_prefill_steps=len(prefill), peak_running=peak_running,
-        mean_decode_batch=float(np.mean([st["rows"] for st in steps
-                                         if st["signature"] and st["signature"][0] == "decode"])),
-        num_preemptions=scheduler.num_preemptions - preemptions_before,
+        elapsed_s=elapsed, compile_s=sum(record.compile_seconds for record in records), output_tokens=out_tokens,
+        measured_tokens_per_s=out_tokens / elapsed, num_steps=len(records), num_decode_steps=len(decode),
+        num_prefill_steps=len(prefill), peak_running=max(record.num_running for record in records),
+        mean_decode_batch=float(np.mean([record.num_rows for record in decode])),
+        num_preemptions=sum(len(record.preempted) for record in records),
         prompt_tokens=sum(len(p) for p in workload.prompts),
-        recomputed_tokens=(scheduler.num_prompt_tokens - prompt_before) - sum(len(p) for p in workload.prompts),
-        padded_prefill_tokens=sum(packed(s) for s in prefill), padded_decode_rows=sum(packed(s) for s in decode),
-        kv_utilization=token_slots / used_slots if used_slots else None,
-        pool_occupancy=used_slots / (len(steps) * pool_slots),
-        host_s=sum(st["measured"] - st["device"] for st in steps),
+        recomputed_tokens=sum(record.num_computed_tokens for record in prefill) - sum(len(p) for p in workload.prompts),
+        padded_prefill_tokens=sum(record.num_padded_tokens for record in prefill),
+        padded_decode_rows=sum(record.num_padded_tokens for record in decode),
+        kv_utilization=token_slots / (sum(used) * bs) if sum(used) else None,
+        pool_occupancy=sum(used) * bs / (len(records) * pool_slots),
+        host_s=sum(st.host for st in steps),
         token_ids=token_ids, steps=steps,
     )
 
@@ -251,7 +158,7 @@ def cost_run(result: dict, clock: ShapeClock) -> dict:
 
 
 def run(preset: dict, seed: int, log=print) -> dict:
-    from jpaged.loader import load_model
+    from jpaged.weights import load_model
 
     with common.Stopwatch() as sw:
         loaded = load_model(None)
@@ -265,7 +172,7 @@ def run(preset: dict, seed: int, log=print) -> dict:
     llms, clocks, warm = {}, {}, {}
     for bs in block_sizes:
         llms[bs] = make_llm(loaded, bs, pool, max_model_len)
-        clocks[bs] = ShapeClock(llms[bs].engine.runner)
+        clocks[bs] = ShapeClock(time="wall")
         warm[bs] = warm_up(llms[bs], next(iter(workloads.values())))
     log(f"warm-up: {', '.join(f'bs {b} {s:.0f} s' for b, s in warm.items())}")
     runs = collections.defaultdict(list)  # (trace, bs) -> per-round results
@@ -306,10 +213,7 @@ def run(preset: dict, seed: int, log=print) -> dict:
     return dict(traces={n: w.describe() for n, w in workloads.items()}, block_sizes=block_sizes,
                 results=results, outputs_identical_to_smallest_block_size=same,
                 model_load_seconds=sw.seconds, warm_up_seconds=warm,
-                calibration_seconds={bs: c.calibration_seconds for bs, c in clocks.items()},
-                device_cost_table={bs: [dict(signature=list(sig), min_s=min(v), median_s=float(np.median(v)),
-                                             count=len(v)) for sig, v in sorted(c.times.items(), key=str)]
-                                   for bs, c in clocks.items()},
+                device_cost_table={bs: c.table() for bs, c in clocks.items()},
                 num_compilations={bs: llm.engine.runner.num_compilations for bs, llm in llms.items()})
 
 

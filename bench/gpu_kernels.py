@@ -7,7 +7,7 @@ not yet run on a GPU: no GPU machine has been lent to this project):
     python bench/gpu_kernels.py --out DIR --quick    # a handful of shapes
     python bench/gpu_kernels.py --out DIR --interpret  # tiny sweep on a CPU (smoke test)
 
-Imports only ``pallas_kernels``, jax and numpy (plus ``jpaged.model`` for the tiny-Llama check,
+Imports only ``pallas_kernels``, jax and numpy (plus ``jpaged.device.model`` for the tiny-Llama check,
 skipped with a note when it cannot be imported). Writes ``DIR/gpu_kernels.json`` after every
 measurement, so a run cut short still leaves its results.
 
@@ -390,12 +390,12 @@ def tiny_llama_check(report, args) -> None:
     """A tiny randomly initialised Llama decodes the same greedy tokens through the Pallas kernels
     (compiled, or interpreted with --interpret) and through the XLA path, using jpaged's runner."""
     try:
-        from jpaged.attention import XLABackend
-        from jpaged.config import ModelConfig
-        from jpaged.pallas_backend import PallasBackend
-        from jpaged.params import init_params
-        from jpaged.runner import ModelRunner
-        from jpaged.scheduler import Row
+        from jpaged.device.attention.xla import XLABackend
+        from jpaged.device.config import ModelConfig
+        from jpaged.device.attention.pallas import PallasBackend
+        from jpaged.device.params import init_params
+        from jpaged.device.runner import ModelRunner
+        from jpaged.core.scheduler import Row
     except Exception as e:  # noqa: BLE001
         note = f"skipped: jpaged not importable ({type(e).__name__}: {e})"
         log(f"tiny-Llama check {note}")

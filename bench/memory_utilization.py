@@ -11,7 +11,7 @@ Admission is FCFS whenever memory allows (strict: the head of the queue blocks t
   demand when a sequence's last block is full and freed when it finishes. Out of blocks: preempt
   the latest-arrived running request by recompute (blocks released, request re-queued at the
   front; on readmission it re-prefills its p + g tokens). No admission in a step that preempted.
-- orca_{max,pow2,oracle}: `jpaged.reservation.ReservationManager` over the same pool at block
+- orca_{max,pow2,oracle}: `bench.baselines.reservation.ReservationManager` over the same pool at block
   size 16; a request reserves its policy's slots at admission, rounded up to whole blocks and
   then to a power of two by the buddy allocator, and keeps them until it finishes.
 
@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `jpaged` impo
 
 from bench import common  # noqa: E402
 from bench import traces as traces_lib  # noqa: E402
-from jpaged.reservation import ReservationManager, ReservationPolicy, cdiv  # noqa: E402
+from bench.baselines.reservation import ReservationManager, ReservationPolicy, cdiv  # noqa: E402
 
 CATEGORIES = ("token_states", "reserved", "internal", "external", "free")
 INTERNAL_PARTS = ("over_reservation", "block_padding", "buddy_rounding")

@@ -65,10 +65,10 @@ def decode_step_seconds(loaded, batch: int, context: int, repeats: int) -> float
     """Median wall seconds of the compiled decode step for `batch` sequences of `context` tokens."""
     import jax
 
-    from jpaged.attention import get_backend
-    from jpaged.block_manager import slot_ids
-    from jpaged.runner import ModelRunner
-    from jpaged.scheduler import Row
+    from jpaged.device.attention import get_backend
+    from jpaged.core.kv_cache_manager import slot_ids
+    from jpaged.device.runner import ModelRunner
+    from jpaged.core.scheduler import Row
 
     per_seq = -(-context // BLOCK_SIZE)
     runner = ModelRunner(loaded.config, loaded.params, num_blocks=1 + batch * per_seq, block_size=BLOCK_SIZE,
@@ -117,7 +117,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--context", type=int, default=128, help="tokens in each sequence's cache")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
-    from jpaged.loader import load_model
+    from jpaged.weights import load_model
 
     loaded = load_model(None)
     batches = (64, 128) if args.quick else (1, 4, 8, 16, 24, 32, 64, 128, 256)

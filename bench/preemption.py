@@ -15,12 +15,11 @@ decoding and exact attention: the two modes must generate identical token ids (a
 Clock: as in `bench/block_size.py`. The four (quick) or eight (full) LLMs serve in lockstep (one
 engine step of each in turn) so that contention on a shared machine hits them alike; tokens/s is
 given on the shape-median clock (headline), the shape-min clock and measured wall time
-(compilation excluded). Swap copies are host work in all three (they are not model steps), timed
-separately here as `swap_s`. On a CPU machine the "device" pool and the CPU pool are both host
-memory: a swap is a gather out of the JAX pool into a numpy array and a jitted scatter back, not a
-PCIe transfer, so swap is cheaper here than on a GPU, relative to the model. Before timing, every
-swap-out gather length is compiled once (the runner's swap-out is an eager, unbucketed gather that
-would otherwise compile inside the timed run, outside `compile_seconds`).
+(compilation excluded). Swap copies are host work in all three (they are not model steps); the
+seconds of their executables are reported separately as `swap_s` (`SwapMeter`, a step observer).
+On a CPU machine the "device" pool and the CPU pool are both host memory: a swap is a jitted
+gather out of the JAX pool into a numpy array and a jitted scatter back, not a PCIe transfer, so
+swap is cheaper here than on a GPU, relative to the model.
 
     python bench/preemption.py --quick   # ~2-3 min on 2 unloaded cores
     python bench/preemption.py           # full preset (~15 min on 2 unloaded cores)
@@ -42,7 +41,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `jpaged` impo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
-from bench.block_size import ShapeClock, cost_run, interleave, make_llm, serve, warm_up  # noqa: E402
+from bench.block_size import cost_run, interleave, make_llm, serve, warm_up  # noqa: E402
+from bench.clock import ShapeClock  # noqa: E402
 from bench.throughput import TRACE_PARAMS, make_workload  # noqa: E402
 
 MODES = ("recompute", "swap")
@@ -53,42 +53,23 @@ PRESETS = {
 
 
 class SwapMeter:
-    """Counts and times a runner's swap-out / swap-in copies (blocks moved, calls, seconds; the
-    compilation of swap-in's bucketed scatter excluded, as everywhere)."""
+    """A step observer counting an engine's swap-outs and swap-ins (steps with any, blocks moved)
+    and the seconds of their executables (the pool gathers and scatters; compilation excluded)."""
 
-    def __init__(self, runner):
-        self.runner = runner
+    def __init__(self):
         self.counts = collections.Counter()
-        self.seconds = collections.Counter()
-        for name in ("swap_out", "swap_in"):
-            setattr(runner, name, self._wrap(name, getattr(runner, name)))
 
-    def _wrap(self, name, fn):
-        def wrapper(mapping):
-            if mapping:
-                compiled, start = self.runner.compile_seconds, time.perf_counter()
-                fn(mapping)
-                self.seconds[name] += time.perf_counter() - start - (self.runner.compile_seconds - compiled)
+    def __call__(self, record) -> None:
+        for name, pairs, call in (("swap_out", record.ops.swap_out, "read_blocks"),
+                                  ("swap_in", record.ops.swap_in, "write_blocks")):
+            if pairs:
                 self.counts[f"{name}_calls"] += 1
-                self.counts[f"{name}_blocks"] += len(mapping)
-            return None
-        return wrapper
-
-    def snapshot(self) -> dict:
-        return {**self.counts, **{f"{k}_s": v for k, v in self.seconds.items()}}
-
-
-def warm_swap_out(runner) -> float:
-    """Compiles the eager gather of `ModelRunner.swap_out` for every block count it can see (1 ..
-    pool size): read-only, nothing in the pool or the CPU pool changes."""
-    start = time.perf_counter()
-    for n in range(1, runner.cache.k.shape[1]):
-        np.asarray(runner.cache.k[:, np.asarray([0] * n)])
-    return time.perf_counter() - start
+                self.counts[f"{name}_blocks"] += len(pairs)
+                self.counts[f"{name}_s"] += sum(c.seconds for c in record.calls if c.name == call)
 
 
 def run(preset: dict, seed: int, log=print) -> dict:
-    from jpaged.loader import load_model
+    from jpaged.weights import load_model
 
     with common.Stopwatch() as sw:
         loaded = load_model(None)
@@ -98,24 +79,23 @@ def run(preset: dict, seed: int, log=print) -> dict:
     longest = workload.describe()["max_total"]
     block_sizes = [b for b in preset["block_sizes"] if longest <= pool - b]
     configs = [(bs, mode) for bs in block_sizes for mode in MODES]
-    llms, clocks, meters, warm = {}, {}, {}, {}
+    llms, clocks, swaps, warm = {}, {}, {}, {}
     for bs, mode in configs:
         llm = make_llm(loaded, bs, pool, workload.max_model_len, preemption_mode=mode,
                        swap_space=1.0 if mode == "swap" else 0.0)
         llms[bs, mode] = llm
-        clocks[bs, mode] = ShapeClock(llm.engine.runner)
-        meters[bs, mode] = SwapMeter(llm.engine.runner)
-        warm[bs, mode] = warm_up(llm, workload) + (warm_swap_out(llm.engine.runner) if mode == "swap" else 0.0)
+        clocks[bs, mode] = ShapeClock(time="wall")
+        warm[bs, mode] = warm_up(llm, workload)
+        swaps[bs, mode] = meter = SwapMeter()
+        llm.engine.add_observer(meter)
     log("warm-up: " + ", ".join(f"bs {b} {m} {s:.0f} s" for (b, m), s in warm.items()))
-    before = {c: meters[c].snapshot() for c in configs}
     results = interleave(serve(llms[c], workload, clocks[c], tag=f"{c[0]}-{c[1]}-") for c in configs)
     rows, token_ids = {}, {}
     for c, r in zip(configs, results):
         token_ids[c] = r.pop("token_ids")
         r = {k: v for k, v in cost_run(r, clocks[c]).items() if k != "steps"}
-        after = meters[c].snapshot()
-        r.update({k: after.get(k, 0) - before[c].get(k, 0) for k in set(after) | set(before[c])})
-        r["cpu_blocks"] = llms[c].engine.block_manager_args["num_cpu_blocks"]
+        r.update(swaps[c].counts)
+        r["cpu_blocks"] = llms[c].engine.kv_cache_spec.num_cpu_blocks
         rows[c] = r
         log(f"  bs {c[0]:3d} {c[1]:<9}: {r['output_tokens_per_s']:6.1f} tok/s "
             f"(measured {r['measured_tokens_per_s']:.1f}), "
@@ -214,6 +194,7 @@ def main(argv=None) -> dict:
                settings=dict(**preset, dtype="float32", model="SmolLM2-135M-Instruct (default)",
                              num_blocks="pool_slots / block_size + 1 (null block)",
                              swap_space_gib=1.0, cpu_pool="min(swap_space, device pool) blocks",
+                             swap_s="seconds in the swap executables (gather out of / scatter into the pool)",
                              sampling="temperature=0, max_tokens=output_len, ignore_eos=True", arrivals="all at t=0",
                              trace_params=TRACE_PARAMS[preset["trace"]], compile_cache=args.compile_cache),
                seeds=dict(trace=args.seed, prompts=args.seed + 10_000),

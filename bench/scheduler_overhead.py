@@ -38,7 +38,8 @@ def measure(loaded, num_seqs: int, decode_steps: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=WARMUP_STEPS + decode_steps + 2, ignore_eos=True)
     for i in range(num_seqs):
         engine.add_request(str(i), rng.integers(100, 40000, PROMPT_LEN).tolist(), params)
-    while engine.scheduler.waiting or engine._new:  # prefill everything
+    engine.step()  # admits the requests and prefills the first of them
+    while engine.scheduler.waiting:  # prefill the rest
         engine.step()
     for _ in range(WARMUP_STEPS):
         engine.step()
@@ -63,7 +64,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="fewer decode steps")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
-    from jpaged.loader import load_model
+    from jpaged.weights import load_model
 
     loaded = load_model(None)
     steps = 4 if args.quick else 10

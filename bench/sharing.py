@@ -3,7 +3,7 @@
 Every run is the real `LLMEngine` on the real default model (SmolLM2-135M-Instruct, float32).
 
 (a) Parallel sampling (n = 2, 4, 6) and beam search (width 2, 4, 6) on Alpaca prompts
-(`shared/data/alpaca_seed_prompts.jsonl`, the model's chat template; a seeded choice of prompts).
+(`bench/data/alpaca_seed_prompts.jsonl`, the model's chat template; a seeded choice of prompts).
 After every engine step the benchmark reads the block manager and counts, for the running
 sequences, the blocks held with sharing (distinct physical blocks in their block tables: what the
 pool really holds) and the blocks they would hold without sharing (the sum over sequences of
@@ -37,7 +37,6 @@ Paper (OPT-13B, Alpaca): parallel sampling saves 6.09 / 8.53 / 9.79 %, beam sear
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -90,11 +89,6 @@ SYSTEM_PROMPT_OPENINGS = (
 
 def system_prompt(variant: int) -> str:
     return SYSTEM_PROMPT_OPENINGS[variant % len(SYSTEM_PROMPT_OPENINGS)] + " " + SYSTEM_PROMPT_BODY
-
-
-def load_alpaca(path: Path | None = None) -> list[str]:
-    path = path or traces_lib.data_dir() / "alpaca_seed_prompts.jsonl"
-    return [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 # ---- (a) parallel sampling and beam search ---------------------------------------------------------
@@ -192,42 +186,30 @@ PREFIX_MODES = ("off", "cold", "primed")
 
 def serve_prefix(llm, prompts: list, params, tag: str):
     """Serves `prompts` offline, yielding after every engine step (drive it with `interleave`); counts
-    the prefill tokens computed and the padded prefill tokens the step shapes ran."""
+    the prefill tokens computed and the padded prefill tokens the step shapes ran (from the engine's
+    step records)."""
     engine = llm.engine
-    runner = engine.runner
-    padded = [0]
-    make_inputs = runner.make_inputs
-
-    def counting_make_inputs(rows, *, decode):
-        inputs = make_inputs(rows, decode=decode)
-        if not decode:
-            padded[0] += inputs.token_ids.size
-        return inputs
-
+    records = []
+    engine.add_observer(records.append)
     before = engine.stats()
     ids = [f"{tag}{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
-    finished, elapsed, compile_s = {}, 0.0, 0.0
-    runner.make_inputs = counting_make_inputs
-    try:
-        while engine.has_unfinished():
-            compiled, start = runner.compile_seconds, time.perf_counter()
-            outs = engine.step()
-            compile_s += runner.compile_seconds - compiled
-            elapsed += time.perf_counter() - start - (runner.compile_seconds - compiled)
-            finished.update((o.request_id, o) for o in outs if o.finished)
-            yield
-    finally:
-        del runner.make_inputs
+    finished = {}
+    while engine.has_unfinished():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        yield
+    engine.remove_observer(records.append)
     outs = [finished[i] for i in ids]
     after = engine.stats()
+    elapsed = sum(r.seconds for r in records)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     prefilled = after["num_prefilled_tokens"] - before["num_prefilled_tokens"]
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return dict(elapsed_s=elapsed, compile_s=compile_s, output_tokens=out_tokens,
+    return dict(elapsed_s=elapsed, compile_s=sum(r.compile_seconds for r in records), output_tokens=out_tokens,
                 output_tokens_per_s=out_tokens / elapsed, requests_per_s=len(outs) / elapsed,
-                prompt_tokens=prompt_tokens, prefilled_tokens=prefilled, padded_prefill_tokens=padded[0],
+                prompt_tokens=prompt_tokens, prefilled_tokens=prefilled,
+                padded_prefill_tokens=sum(r.num_padded_tokens for r in records if r.kind == "prefill"),
                 hit_rate=1.0 - prefilled / prompt_tokens,
                 num_steps=after["num_steps"] - before["num_steps"],
                 num_preemptions=after["num_preemptions"] - before["num_preemptions"],
@@ -374,11 +356,11 @@ def main(argv=None) -> dict:
     preset = PRESETS[preset_name]
     start = time.perf_counter()
     machine = common.machine_info()
-    from jpaged.loader import load_model
+    from jpaged.weights import load_model
 
     with common.Stopwatch() as sw:
         loaded = load_model(None)
-    all_prompts = load_alpaca()
+    all_prompts = traces_lib.load_alpaca_prompts()
     prompts_text = [p for p in all_prompts if len(chat_prompt(loaded.tokenizer, [{"role": "user", "content": p}])
                                                   ["prompt_token_ids"]) <= MAX_PROMPT_TOKENS]
     print(f"model loaded in {sw.seconds:.1f} s; (a) sharing", flush=True)

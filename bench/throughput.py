@@ -16,8 +16,9 @@ while every step gets cheaper (the quick preset is the ShareGPT-like trace at S=
 
 Clock: simulated. Each step is charged its host CPU seconds plus the median CPU seconds of its
 padded model-step shape over the benchmark so far (`--clock cpu`, the default: robust to the other
-processes on a shared machine; see `Bench`), or its wall seconds (`--clock wall`); compilation
-and the engine's usage statistics are excluded.
+processes on a shared machine; see `Bench` and `bench/clock.py`), or its wall seconds (`--clock
+wall`); compilation and the engine's usage statistics are excluded (the engine's `StepRecord`s
+leave them out).
 Requests join when the clock passes their arrival time; when nothing is queued or running the
 clock jumps to the next arrival, so an idle gap costs no real time. Offline results (whose schedule
 does not depend on the clock) also give the shape-min clock (each shape charged its fastest run: a
@@ -61,8 +62,10 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `jpaged` impo
 
 from bench import common  # noqa: E402
 from bench import traces as traces_lib  # noqa: E402
+from bench.baselines.orca import POLICIES, orca  # noqa: E402
+from bench.clock import ShapeClock, TimedStep  # noqa: E402
 
-SYSTEMS = ("paged", "orca_max", "orca_pow2", "orca_oracle")
+SYSTEMS = ("paged", *POLICIES)  # paged, orca_max, orca_pow2, orca_oracle
 BLOCK_SIZE = 16
 POOL_SLOTS = 12288
 TRACE_PARAMS = dict(sharegpt_like=traces_lib.SHAREGPT, alpaca_like=traces_lib.ALPACA)
@@ -125,12 +128,11 @@ def make_workload(name: str, num: int, seed: int, scale: int) -> Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One engine step as the benchmark saw it (seconds exclude compilation and engine statistics)."""
+    """One engine step as the benchmark saw it (times exclude compilation and engine statistics)."""
 
-    signature: tuple  # its compiled step: ("decode" | "prefill", the shapes of its ModelInputs)
-    cpu: float  # CPU seconds of the process (all threads) in `engine.step()`
+    kind: str  # "decode", "prefill" or "empty" (no model step)
+    timed: TimedStep  # on the CPU shape clock: host CPU seconds, and the model step's and sampler's
     wall: float  # wall seconds of `engine.step()`
-    device_cpu: float  # of the CPU seconds, those of the model step and the sampler
     start: float  # the clock when it began
     cost: float  # what the clock advanced by
     new_tokens: int  # tokens sampled (one per row)
@@ -143,36 +145,23 @@ class Step:
     finished: tuple  # request ids that finished in it
 
 
-class _Meter:
-    """Wall and process CPU time together."""
-
-    def __init__(self):
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-
-    def read(self) -> tuple[float, float]:
-        return time.perf_counter() - self.wall, time.process_time() - self.cpu
-
-
 class Bench:
     """The loaded model, the one `ModelRunner` every engine shares, and the clock.
 
     Clock `cpu` (the default): a step costs the CPU seconds (all threads) the process spent in it
-    outside the model step and sampler (scheduling, block manager, detokenization), plus the
-    median CPU seconds of the model step and sampler over every run of its padded shape in the
-    whole benchmark (decode shapes are timed before the runs: `warm_up`). On the shared 2-core
-    machines the wall time of one shape varied 2-3x with the other processes' load and its CPU
-    time by +-30%; pooling runs of a shape across systems charges systems that run the same
-    shapes the same. Offline runs, whose schedule does not depend on the clock, are re-costed
-    with the final medians. Clock `wall`: a step costs its measured wall duration. Either way
-    compilation is excluded (a model step or sampler call that compiled is run again at once and
-    only the second run counts: a step is idempotent, it rewrites the same K/V into the same
-    slots), and so are the engine's usage statistics (`_record_usage`, bookkeeping).
+    outside the model step and sampler (scheduling, block manager, packing, detokenization), plus
+    the median CPU seconds of the model step and sampler over every run of its shape in the whole
+    benchmark (`bench.clock.ShapeClock`): pooling runs of a shape across systems charges systems
+    that run the same shapes the same. Offline runs, whose schedule does not depend on the clock,
+    are re-costed with the final medians. Clock `wall`: a step costs its measured wall duration.
+    Either way compilation is excluded (the engine's step records leave it out, and a new
+    executable's first run with it), and so is the engine's own statistics bookkeeping.
     """
 
     def __init__(self, num_blocks: int, dtype: str = "float32", clock: str = "cpu"):
         import jax.numpy as jnp
 
-        from jpaged.loader import load_model
+        from jpaged.weights import load_model
 
         if clock not in ("cpu", "wall"):
             raise ValueError(f"clock must be 'cpu' or 'wall', got {clock!r}")
@@ -182,70 +171,26 @@ class Bench:
             self.model = load_model(None, dtype=getattr(jnp, dtype))
         self.load_seconds = sw.seconds
         self.runner = None
-        self.shape = None  # the last step's (decode, rows, real tokens, packed tokens, input shapes)
-        self.device = [0.0, 0.0]  # wall, CPU seconds in the model step and sampler (compile-free runs)
-        self.excluded = [0.0, 0.0]  # wall, CPU seconds of compiling calls and engine statistics
-        self.device_times: dict = collections.defaultdict(list)  # signature -> (wall, cpu) per run
+        self.shapes = ShapeClock(time="cpu")
 
-    def device_cost(self, signature: tuple, stat: str = "median") -> float:
-        """CPU seconds of a shape's model step and sampler: the median of its runs, or the least."""
-        return common.shape_time([cpu for _, cpu in self.device_times[signature]], stat)
+    def step_cost(self, step: Step, stat: str = "median") -> float:
+        return step.wall if self.clock == "wall" else self.shapes.cost(step.timed, stat)
 
-    def step_cost(self, step: "Step", stat: str = "median") -> float:
-        if self.clock == "wall":
-            return step.wall
-        if step.signature[0] == "empty":
-            return step.cpu
-        return step.cpu - step.device_cpu + self.device_cost(step.signature, stat)
-
-    def recost(self, workload: "Workload", steps: list, stat: str = "median") -> dict:
+    def recost(self, workload: Workload, steps: list, stat: str = "median") -> dict:
         """An offline run's metrics under the final cost table (its schedule ignores the clock);
         `stat="min"` charges each shape its fastest run instead of its median (the shape-min clock)."""
         return offline_metrics(workload, steps, [self.step_cost(st, stat) for st in steps], self.pool_slots)
 
-    def _instrument(self, runner) -> None:
-        """Times the runner's model step and sampler, re-running a call that compiled; records shapes."""
-        import jax
-
-        make_inputs = runner.make_inputs
-        self._raw = (runner.execute, runner.sample)
-
-        def logged_make_inputs(rows, *, decode):
-            inputs = make_inputs(rows, decode=decode)
-            self.shape = (decode, len(rows), sum(len(r.token_ids) for r in rows), inputs.token_ids.shape[0],
-                          inputs.shape_key)
-            return inputs
-
-        def timed(fn):
-            def wrapper(*args, **kwargs):
-                compiled, meter = runner.compile_seconds, _Meter()
-                out = jax.block_until_ready(fn(*args, **kwargs))
-                if runner.compile_seconds != compiled:  # count a second, compile-free run instead
-                    self._add(self.excluded, meter.read())
-                    meter = _Meter()
-                    out = jax.block_until_ready(fn(*args, **kwargs))
-                self._add(self.device, meter.read())
-                return out
-            return wrapper
-
-        runner.make_inputs = logged_make_inputs
-        runner.execute, runner.sample = timed(runner.execute), timed(runner.sample)
-
-    @staticmethod
-    def _add(total: list, reading: tuple) -> None:
-        total[0] += reading[0]
-        total[1] += reading[1]
-
-    def warm_up(self, max_rows: int, max_model_len: int, repeats: int = 3) -> dict:
-        """Compiles and times the decode shapes a run is likely to use (padded rows up to
-        `max_rows`, block tables up to `max_model_len`, rows x table width at most 4x the pool) on
-        rows that read and write only the null block. Other shapes (prefill ones are too many to
-        enumerate) compile when first seen, off the clock."""
-        from jpaged.batch import bucket, row_bucket
-        from jpaged.runner import Row, SampleRow
+    def warm_up(self, max_rows: int, max_model_len: int) -> dict:
+        """Compiles the decode shapes a run is likely to use (padded rows up to `max_rows`, block
+        tables up to `max_model_len`, rows x table width at most 4x the pool) on rows that read and
+        write only the null block. Other shapes (prefill ones are too many to enumerate) compile
+        when first seen, off the clock."""
+        from jpaged.core.scheduler import Row
+        from jpaged.device.batch import bucket, row_bucket
+        from jpaged.device.runner import SampleRow
 
         runner = self.runner
-        execute, sample = self._raw
         compile_before, start_all = runner.compile_seconds, time.perf_counter()
         widths = [w for w in (1 << k for k in range(2, 16)) if w <= bucket(-(-max_model_len // BLOCK_SIZE), 4)]
         shapes = [(num_rows, width) for num_rows in sorted({row_bucket(n) for n in range(1, max_rows + 1)})
@@ -253,41 +198,34 @@ class Bench:
         for num_rows, width in shapes:
             rows = [Row([1], width * BLOCK_SIZE - 1, [0], [0] * width)] * num_rows
             sample_rows = [SampleRow(i, 0.0, 0, 1.0, 0, 0, 0) for i in range(num_rows)]
-            times = self.device_times[("decode", num_rows, width)]
-            while len(times) < repeats:
-                compiled, meter = runner.compile_seconds, _Meter()
-                sample(execute(rows, decode=True), sample_rows, 1)
-                if runner.compile_seconds == compiled:
-                    times.append(meter.read())
+            runner.sample(runner.execute(rows, decode=True), sample_rows, 1)
         return dict(seconds=time.perf_counter() - start_all, compile_seconds=runner.compile_seconds - compile_before,
-                    shapes=len(shapes), repeats=repeats)
+                    shapes=len(shapes))
 
-    def engine(self, system: str, max_model_len: int):
+    def engine(self, system: str, max_model_len: int, output_lens: dict):
+        """An engine for `system` on the shared runner (the first one builds it). The Orca baselines
+        get the oracle `output_lens` and no watermark (`bench.baselines.orca`)."""
         from jpaged.engine import EngineConfig, LLMEngine
 
-        engine = LLMEngine(EngineConfig(num_blocks=self.num_blocks, block_size=BLOCK_SIZE, dtype=self.dtype,
-                                        max_model_len=max_model_len, kv_policy=system), loaded=self.model)
-        if self.runner is None:
-            self.runner = engine.runner
-            self._instrument(self.runner)
+        config = EngineConfig(num_blocks=self.num_blocks, block_size=BLOCK_SIZE, dtype=self.dtype,
+                              max_model_len=max_model_len)
+        if system == "paged":
+            engine = LLMEngine(config, loaded=self.model, runner=self.runner)
         else:
-            engine.runner = self.runner  # same pool size and block size: the engine's own is dropped
-        record_usage = engine._record_usage
-
-        def timed_record_usage():  # engine bookkeeping, kept off the clock
-            meter = _Meter()
-            record_usage()
-            self._add(self.excluded, meter.read())
-
-        engine._record_usage = timed_record_usage
+            engine = LLMEngine(config, loaded=self.model, runner=self.runner, watermark=0.0,
+                               kv_cache_manager=orca(system, output_lens))
+        self.runner = engine.runner
         return engine
 
     def serve(self, system: str, workload: Workload) -> dict:
         """Runs `workload` on `system`; returns the run's metrics, with its steps under "steps_log"."""
-        from jpaged.sampling_params import SamplingParams
+        from jpaged.core.sampling_params import SamplingParams
 
-        engine = self.engine(system, workload.max_model_len)
-        runner, scheduler = self.runner, engine.scheduler
+        output_lens = {workload.prompts[r.request_id]: r.output_len for r in workload.requests}
+        engine = self.engine(system, workload.max_model_len, output_lens)
+        records = []
+        engine.add_observer(records.append)
+        runner = self.runner
         pending = collections.deque(sorted(workload.requests, key=lambda r: (r.arrival_time, r.request_id)))
         outputs, steps, clock = {}, [], 0.0
         compile_before = runner.compile_seconds
@@ -301,27 +239,15 @@ class Bench:
             if not engine.has_unfinished():
                 clock = pending[0].arrival_time
                 continue
-            excluded, device, self.shape = list(self.excluded), list(self.device), None
-            meter = _Meter()
             outs = engine.step()
-            wall, cpu = meter.read()
-            wall -= self.excluded[0] - excluded[0]
-            cpu -= self.excluded[1] - excluded[1]
-            device_cpu = self.device[1] - device[1]
-            if self.shape is not None:
-                decode, rows, computed, padded_tokens, shapes = self.shape
-                signature = ("decode" if decode else "prefill", shapes)
-                self.device_times[signature].append((self.device[0] - device[0], device_cpu))
-            else:
-                signature, rows, computed, padded_tokens = ("empty",), 0, 0, 0
-            backlogged = bool(scheduler.waiting)
-            finished = tuple(o.request_id for o in outs if o.finished)
+            record = records[-1]
             outputs.update((o.request_id, o.outputs[0]) for o in outs if o.finished)
-            bm = scheduler.block_manager
-            used = (bm.num_blocks - 1 - bm.num_free_blocks) * BLOCK_SIZE
-            tokens = sum(bm.num_tokens(s) for s in bm.seq_ids) if used else 0
-            step = Step(signature, cpu, wall, device_cpu, clock, 0.0, rows, computed, padded_tokens,
-                        len(scheduler.running), tokens, used, backlogged, finished)
+            kv = record.kv
+            used = (kv.num_blocks - 1 - kv.num_free_blocks) * BLOCK_SIZE
+            tokens = sum(kv.num_tokens(s) for s in kv.seq_ids) if used else 0
+            step = Step(record.kind or "empty", self.shapes.observe(record), record.seconds, clock, 0.0,
+                        record.num_sampled_tokens, record.num_computed_tokens, record.num_padded_tokens,
+                        record.num_running, tokens, used, record.num_waiting > 0, record.finished)
             step = dataclasses.replace(step, cost=self.step_cost(step))
             steps.append(step)
             clock += step.cost
@@ -330,8 +256,8 @@ class Bench:
             assert len(out.token_ids) == by_id[rid].output_len and out.finish_reason == "length", (rid, out)
         assert len(outputs) == len(workload.requests)
         stats = engine.stats()
-        decode = [st.new_tokens for st in steps if st.signature[0] == "decode"]
-        prefill = [st for st in steps if st.signature[0] == "prefill"]
+        decode = [st.new_tokens for st in steps if st.kind == "decode"]
+        prefill = [st for st in steps if st.kind == "prefill"]
         return dict(
             **metrics(workload, steps, [st.start for st in steps], [st.cost for st in steps], self.pool_slots),
             system=system, num_requests=len(workload.requests), clock=self.clock,
@@ -361,7 +287,7 @@ def metrics(workload: Workload, steps: list, starts: list, costs: list, pool_slo
     used = np.array([st.used_slots for st in steps], dtype=float)
     backlogged = np.array([st.backlogged for st in steps])
     new_tokens = np.array([st.new_tokens for st in steps])
-    kinds = collections.Counter(st.signature[0] for st in steps)
+    kinds = collections.Counter(st.kind for st in steps)
     return dict(
         makespan_s=makespan, output_tokens_per_s=workload.num_output_tokens / makespan,
         requests_per_s=len(by_id) / makespan,
@@ -375,10 +301,11 @@ def metrics(workload: Workload, steps: list, starts: list, costs: list, pool_slo
         kv_utilization=float((tokens * costs).sum() / (used * costs).sum()) if held.any() else None,
         kv_token_fraction_of_pool=(float((tokens * costs).sum() / (costs[held].sum() * pool_slots))
                                    if held.any() else None),
-        steps=dict(kinds), step_seconds={k: float(sum(c for st, c in zip(steps, costs) if st.signature[0] == k))
+        steps=dict(kinds), step_seconds={k: float(sum(c for st, c in zip(steps, costs) if st.kind == k))
                                          for k in kinds},
-        cpu_seconds=float(sum(st.cpu for st in steps)), wall_seconds_in_steps=float(sum(st.wall for st in steps)),
-        device_cpu_seconds=float(sum(st.device_cpu for st in steps)),
+        cpu_seconds=float(sum(st.timed.host + st.timed.device for st in steps)),
+        wall_seconds_in_steps=float(sum(st.wall for st in steps)),
+        device_cpu_seconds=float(sum(st.timed.device for st in steps)),
     )
 
 
@@ -486,10 +413,10 @@ def run(preset: str = "quick", scale: int | None = None, systems=SYSTEMS, seed: 
     out["model_load_seconds"] = bench.load_seconds
     log(f"model loaded in {bench.load_seconds:.0f} s; pool {num_blocks} blocks of {BLOCK_SIZE}, "
         f"max_model_len {traces_lib.MAX_MODEL_LEN // scale}, clock {clock}")
-    bench.engine("paged", traces_lib.MAX_MODEL_LEN // scale)  # creates the shared runner
+    bench.engine("paged", traces_lib.MAX_MODEL_LEN // scale, {})  # creates the shared runner
     most = max([*offline_sizes.values(), *online_sizes.values()])
     out["warm_up"] = bench.warm_up(min(most, 256), traces_lib.MAX_MODEL_LEN // scale)
-    log(f"warm-up: {out['warm_up']['shapes']} decode shapes compiled and timed in {out['warm_up']['seconds']:.0f} s")
+    log(f"warm-up: {out['warm_up']['shapes']} decode shapes compiled in {out['warm_up']['seconds']:.0f} s")
 
     offline_steps = {}  # (trace, system) -> (workload, steps)
 
@@ -546,12 +473,8 @@ def run(preset: str = "quick", scale: int | None = None, systems=SYSTEMS, seed: 
         out["online"][name] = dict(rates=grid, curves=curves,
                                    sustained_rate={s: sustained(p) for s, p in curves.items()})
     recost_offline()  # final: every shape timed as often as it will be
-    out["device_cost_table"] = [  # model step + sampler per padded shape, compile-free runs
-        dict(signature=list(k), count=len(v), cpu_median=float(np.median([c for _, c in v])),
-             cpu_min=min(c for _, c in v), wall_median=float(np.median([w for w, _ in v])),
-             wall_min=min(w for w, _ in v)) for k, v in sorted(bench.device_times.items(), key=str)]
-    out["excluded_seconds"] = dict(wall=bench.excluded[0], cpu=bench.excluded[1],
-                                   what="compiling calls (run again, compile-free) and engine statistics")
+    out["device_cost_table"] = bench.shapes.table()  # model step + sampler per step signature
+    out["compile_seconds"] = bench.runner.compile_seconds  # excluded from every clock
     for name, results in out["offline"].items():
         s = out["summary"].setdefault(name, {})
         s["throughput_ratio"] = ratios(results, lambda r: r["output_tokens_per_s"])

@@ -1,7 +1,7 @@
 """Workload traces: requests as (arrival time, prompt length, output length), lengths in tokens.
 
 Synthetic traces are log-normal, fitted to the means the PagedAttention paper publishes
-(section 6.1, OPT tokenizer; see shared/data/README.md):
+(section 6.1 and Figure 11, OPT tokenizer; quoted in `bench/data/README.md`):
 
 | trace          | mean in | mean out | sigma in | sigma out |
 |----------------|--------:|---------:|---------:|----------:|
@@ -13,7 +13,7 @@ heavy-tailed, and sigma 1.2 puts the prompt median near 78 and the 99th percenti
 tokens; sigma 1.0 on outputs puts the median near 205 and the 99th percentile near 2,000, the
 "long tail up to ~2000" of the paper's Figure 11. Alpaca instructions are short and uniform
 (sigma 0.5); its outputs' sigma 1.0 matches the spread (median ~33 tokens) of the 120 real
-seed answers in shared/data. Lengths are clipped so that every request fits the model:
+seed answers in `bench/data`. Lengths are clipped so that every request fits the model:
 prompt in [1, max_model_len - 1], output in [1, max_model_len - prompt]; mu is solved so the
 mean of the *clipped* marginal equals the published mean (the joint cut then trims a little
 off ShareGPT's outputs; the realised means are recorded by the benchmark).
@@ -27,7 +27,6 @@ import dataclasses
 import importlib.util
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -46,10 +45,17 @@ class TraceRequest:
     output_len: int
 
 
-def data_dir() -> Path:
-    """`$JPAGED_DATA_DIR`, else `<repo>/../shared/data`."""
-    env = os.environ.get("JPAGED_DATA_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "data"
+ALPACA_SEED_PROMPTS = Path(__file__).resolve().parent / "data" / "alpaca_seed_prompts.jsonl"
+
+
+def read_alpaca(path: Path = ALPACA_SEED_PROMPTS) -> list[dict]:
+    """The 120 Alpaca seed requests (`bench/data/README.md`): {"id", "prompt", "reference_output"} each."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def load_alpaca_prompts(path: Path = ALPACA_SEED_PROMPTS) -> list[str]:
+    """The instructions of the 120 Alpaca seed requests, in file order (plain text, no chat template)."""
+    return [row["prompt"] for row in read_alpaca(path)]
 
 
 def _clipped_lognormal_mean(mu: float, sigma: float, lo: float, hi: float) -> float:
@@ -98,16 +104,14 @@ def default_tokenizer():
     return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file=DEFAULT_GGUF)
 
 
-def alpaca_real(tokenizer, path: Path | None = None,
+def alpaca_real(tokenizer, path: Path = ALPACA_SEED_PROMPTS,
                 max_model_len: int = MAX_MODEL_LEN) -> list[TraceRequest]:
     """The 120 Alpaca seed requests: prompt length with the tokenizer's chat template applied
     (generation prompt included), output length = token length of `reference_output` (no
     special tokens; at least 1). Requests that do not fit `max_model_len` are clipped like the
     synthetic traces."""
-    path = path or data_dir() / "alpaca_seed_prompts.jsonl"
     trace = []
-    for i, line in enumerate(Path(path).read_text().splitlines()):
-        row = json.loads(line)
+    for i, row in enumerate(read_alpaca(path)):
         text = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
                                              tokenize=False, add_generation_prompt=True)
         prompt = len(tokenizer(text, add_special_tokens=False)["input_ids"])

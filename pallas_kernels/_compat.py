@@ -35,33 +35,3 @@ def compiler_params(*, num_warps: int, num_stages: int) -> Any:
             return pl_gpu.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)
         except (ImportError, AttributeError):
             return None
-
-
-def abstract_gpu(device_kind: str = "NVIDIA H200"):
-    """Context in which a CPU-only process can *lower* a Triton ``pallas_call`` for CUDA.
-
-    ``jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))`` runs the Pallas Triton
-    lowering (jaxpr -> Triton IR, with the MLIR verifier) without a GPU; the lowering asks for
-    the GPU's compute capability, which an abstract mesh with an abstract device supplies.
-    Uses private JAX API (present in 0.10.2 and 0.11.2); returns ``None`` where it is absent.
-    Tests use it to check that the kernels are Triton-lowerable; compiling the Triton IR to PTX
-    still needs a GPU.
-    """
-    try:
-        from jax._src import mesh as mesh_lib
-
-        device = mesh_lib.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
-        mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=device)
-        return jax.sharding.use_abstract_mesh(mesh)
-    except Exception:  # noqa: BLE001 - any API drift means "not available here"
-        return None
-
-
-def lower_for_cuda(fn, *args, **kwargs) -> str | None:
-    """StableHLO text of ``fn`` lowered for CUDA on this (possibly GPU-less) machine, or None."""
-    ctx = abstract_gpu()
-    if ctx is None:
-        return None
-    with ctx:
-        lowered = jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
-    return lowered.as_text()

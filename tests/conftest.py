@@ -1,7 +1,8 @@
 """Session-scoped fixtures shared by the test suite: each model is loaded once per session.
 
-Data: `data_dir()` is `<repo>/../shared/data` unless the environment variable `JPAGED_DATA_DIR`
-names another directory; `alpaca_prompts` are the instructions of `alpaca_seed_prompts.jsonl` there.
+Data: `alpaca_prompts` are the 120 instructions of the repository's own
+`bench/data/alpaca_seed_prompts.jsonl` (its source and license: `bench/data/README.md`). The
+repository root is put on `sys.path`, so tests import `bench` (its baselines and helpers) too.
 
 Engines: `make_llm(**kwargs)` builds an `LLM` on the session's default model (no reload; each LLM
 allocates its own KV pool, so keep `num_blocks` small). `llm` is one shared `LLM` (block size 16,
@@ -16,18 +17,24 @@ runner either way: a cache hit still counts.)
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from jpaged import LLM, loader
+from jpaged import LLM, weights
+from jpaged.core.block_manager import BlockManager
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-SEED_PROMPTS_FILE = "alpaca_seed_prompts.jsonl"
+if str(REPO_ROOT) not in sys.path:  # `bench` is a plain directory at the repository root
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench.traces import load_alpaca_prompts  # noqa: E402
+
 LLM_NUM_BLOCKS = 256
 
 
@@ -43,18 +50,14 @@ def _enable_compilation_cache() -> None:
 _enable_compilation_cache()
 
 
-def data_dir() -> pathlib.Path:
-    """The shared data directory: `$JPAGED_DATA_DIR`, else `<repo>/../shared/data`."""
-    return pathlib.Path(os.environ.get("JPAGED_DATA_DIR") or REPO_ROOT.parent / "shared" / "data")
-
-
-def load_seed_prompts() -> list[str]:
-    """The "prompt" of every line of `alpaca_seed_prompts.jsonl`, in file order."""
-    path = data_dir() / SEED_PROMPTS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: set JPAGED_DATA_DIR to the directory holding {SEED_PROMPTS_FILE}")
-    with path.open() as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
+def scattered_blocks(seed: int):
+    """A `kv_cache_manager` factory: paging whose free list is a random permutation of the pool, so a
+    sequence's consecutive blocks are scattered (tests of the block-table indirection)."""
+    def build(spec):
+        order = np.random.default_rng(seed).permutation(np.arange(1, spec.num_blocks)).tolist()
+        return BlockManager.create(spec.num_blocks, spec.block_size, num_cpu_blocks=spec.num_cpu_blocks,
+                                   enable_prefix_caching=spec.enable_prefix_caching, free_block_ids=order)
+    return build
 
 
 def chat_token_ids(tokenizer, prompt: str) -> list[int]:
@@ -67,19 +70,19 @@ def chat_token_ids(tokenizer, prompt: str) -> list[int]:
 @pytest.fixture(scope="session")
 def alpaca_prompts() -> list[str]:
     """The 120 instructions of `alpaca_seed_prompts.jsonl` (plain text, no chat template), in file order."""
-    return load_seed_prompts()
+    return load_alpaca_prompts()
 
 
 @pytest.fixture(scope="session")
 def default_model_path():
     """The default GGUF file; fails with the install command when it is missing."""
-    return loader.default_model_path()
+    return weights.default_model_path()
 
 
 @pytest.fixture(scope="session")
-def default_model(default_model_path) -> loader.LoadedModel:
+def default_model(default_model_path) -> weights.LoadedModel:
     """`load_model(None)` in float32."""
-    return loader.load_model(None, dtype=jnp.float32)
+    return weights.load_model(None, dtype=jnp.float32)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """A dense, cacheless Llama forward pass: the reference the paged engine is checked against.
 
-Written from HF transformers' `LlamaForCausalLM` (not from `jpaged.model`): plain `jnp`, a Python
+Written from HF transformers' `LlamaForCausalLM` (not from `jpaged.device.model`): plain `jnp`, a Python
 loop over the layers, causal softmax attention over the whole token sequence, no KV cache, no
 block tables, no padding masks beyond causality. Grouped-query attention repeats each KV head
 for its query heads (HF's `repeat_kv`) instead of grouping the queries.

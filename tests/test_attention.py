@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged.attention import gather_attend, xla_attend
-from jpaged.batch import bucket, fine_bucket, pack_rows, row_bucket
-from jpaged.block_manager import slot_ids
-from jpaged.scheduler import Row
+from jpaged.device.attention.xla import gather_attend, xla_attend
+from jpaged.device.batch import bucket, fine_bucket, pack_rows, row_bucket
+from jpaged.core.kv_cache_manager import slot_ids
+from jpaged.core.scheduler import Row
 
 NUM_LAYERS, NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM, NUM_HEADS = 2, 96, 2, 8, 6
 

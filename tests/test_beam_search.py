@@ -9,10 +9,10 @@ sequence scores more than 1e-4 apart).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
+from conftest import scattered_blocks
 from jpaged import LLM, SamplingParams
 
 MAX_TOKENS = 16
@@ -20,8 +20,7 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def beam_llm(default_model):
-    return LLM(loaded=default_model, num_blocks=512, block_size=4, free_block_ids=tuple(
-        np.random.default_rng(0).permutation(np.arange(1, 512)).tolist()))
+    return LLM(loaded=default_model, num_blocks=512, block_size=4, kv_cache_manager=scattered_blocks(seed=0))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ import copy
 
 import pytest
 
-from jpaged.block_manager import NULL_BLOCK_ID, BlockManager, DeviceOps, OutOfBlocksError
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.kv_cache_manager import NULL_BLOCK_ID, DeviceOps, OutOfBlocksError
 
 WORDS = "Four score and seven years ago our fathers brought forth mothers".split()
 TOKEN = {w: i + 100 for i, w in enumerate(WORDS)}
@@ -199,7 +200,7 @@ def test_swap_capacity_and_abort_while_swapped():
     bm.check_invariants()
 
     bm, _ = bm.allocate("c", list(range(9)))  # 5 blocks: 1 left free
-    assert bm.num_free_blocks == 1 and not bm.can_allocate(3)
+    assert bm.num_free_blocks == 1 and not bm.can_allocate([[1, 2, 3]])
     with pytest.raises(OutOfBlocksError, match="needs 2 blocks, 1 free"):
         bm.allocate("d", [1, 2, 3])
 
@@ -305,7 +306,7 @@ def test_prefix_caching_off_never_caches():
 def test_errors_leave_snapshot_unchanged():
     bm, _ = BlockManager.create(4, 2).allocate("a", [1, 2, 3])  # blocks 1, 2; 1 free
     before = copy.deepcopy(bm)
-    assert not bm.can_allocate(3) and bm.can_allocate(2)
+    assert not bm.can_allocate([[1, 2, 3]]) and bm.can_allocate([[1, 2]])
     with pytest.raises(OutOfBlocksError, match="cannot allocate sequence 'b' .3 tokens.: needs 2"):
         bm.allocate("b", [1, 2, 3])
     with pytest.raises(ValueError, match="sequence 'a': it already exists"):
@@ -335,10 +336,11 @@ def test_errors_leave_snapshot_unchanged():
 
 def test_can_allocate_with_watermark_reserve():
     bm = BlockManager.create(8, 4)  # 7 free
-    assert bm.can_allocate(20) and not bm.can_allocate(29)
-    assert bm.can_allocate(20, reserve=2) and not bm.can_allocate(20, reserve=3)
-    assert bm.can_allocate(1, max_new_tokens=10_000)  # paged: nothing reserved ahead
-    bm, _ = bm.allocate("a", [1], max_new_tokens=10_000)
+    assert bm.can_allocate([[0] * 20]) and not bm.can_allocate([[0] * 29])
+    assert bm.can_allocate([[0] * 20], reserve=2) and not bm.can_allocate([[0] * 20], reserve=3)
+    # several new sequences share no block: each takes its own ceil(len / block_size)
+    assert bm.can_allocate([[0] * 5, [0] * 5, [0] * 9]) and not bm.can_allocate([[0] * 5] * 4)
+    bm, _ = bm.allocate("a", [1])  # paged: nothing reserved ahead
     assert bm.num_free_blocks == 6
 
 

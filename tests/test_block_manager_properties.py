@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import jpaged.block_manager as block_manager
-from jpaged.block_manager import BlockManager, OutOfBlocksError
+import jpaged.core.persistent as persistent
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.kv_cache_manager import OutOfBlocksError
 
 PREFIXES = ([], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9, 1])  # shared prompts
 tokens_st = st.lists(st.integers(0, 3), max_size=6)
@@ -25,7 +26,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @initialize(data=st.data(), block_size=st.sampled_from([1, 2, 4]),
                 num_blocks=st.integers(4, 24), num_cpu_blocks=st.integers(0, 12),
-                shard_bits=st.sampled_from([0, 2, block_manager.SHARD_BITS]))
+                shard_bits=st.sampled_from([0, 2, persistent.SHARD_BITS]))
     def setup(self, data, block_size, num_blocks, num_cpu_blocks, shard_bits):
         # small shards, so that small pools exercise the persistent tables' copy-on-write
         order = data.draw(st.permutations(range(1, num_blocks)), label="free_block_ids")
@@ -75,7 +76,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def allocate(self, data, prefix, tail):
         token_ids = prefix + tail or [0]
         seq_id = self.new_id()
-        can = self.bm.can_allocate(len(token_ids))
+        can = self.bm.can_allocate([token_ids])
         try:
             self.bm, num_cached = self.bm.allocate(seq_id, token_ids)
         except OutOfBlocksError:

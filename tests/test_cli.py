@@ -12,13 +12,14 @@ import sys
 
 import pytest
 
-from jpaged import cli, engine
+from jpaged.engine import llm_engine
+from jpaged.entrypoints import cli
 
 
 @pytest.fixture
 def run_cli(default_model, monkeypatch, capsys):
-    monkeypatch.setattr(engine, "load_model", lambda path, dtype=None: default_model if path is None
-                        else engine.__dict__["_real_load_model"](path, dtype=dtype))
+    monkeypatch.setattr(llm_engine, "load_model", lambda path, dtype=None: default_model if path is None
+                        else REAL_LOAD_MODEL(path, dtype=dtype))
 
     def run(*argv):
         code = cli.main(["generate", *argv])
@@ -28,7 +29,7 @@ def run_cli(default_model, monkeypatch, capsys):
     return run
 
 
-engine._real_load_model = engine.load_model
+REAL_LOAD_MODEL = llm_engine.load_model
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -93,7 +94,7 @@ def test_prompts_file_and_no_chat_template(run_cli, tmp_path):
 
 def test_console_script_answers_paris():
     """The README's first command, end to end in a fresh process."""
-    result = subprocess.run([sys.executable, "-m", "jpaged.cli", "generate", "What is the capital of France?",
+    result = subprocess.run([sys.executable, "-m", "jpaged.entrypoints.cli", "generate", "What is the capital of France?",
                              "--temperature", "0", "--max-tokens", "32", "--num-blocks", "64"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

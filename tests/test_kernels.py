@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bench import triton_check
 from pallas_kernels import (
-    _compat,
     copy_blocks,
     copy_blocks_reference,
     paged_attention,
@@ -474,9 +474,9 @@ def test_copy_on_write_then_attention():
 
 
 def _lower_or_skip(fn, *args, **kwargs):
-    if _compat.abstract_gpu() is None:
+    if triton_check.abstract_gpu() is None:
         pytest.skip("this JAX has no abstract GPU device to lower for")
-    text = _compat.lower_for_cuda(fn, *args, **kwargs)
+    text = triton_check.lower_for_cuda(fn, *args, **kwargs)
     assert "xla.gpu.triton" in text
     return text
 

@@ -2,7 +2,7 @@
 
 Needs jax >= 0.11 (the GPU machines' release) and the upstream ``triton`` package, which is not a
 project dependency (``pip install triton`` in a Python 3.12 environment); skipped otherwise.
-See ``pallas_kernels/_triton_check.py``.
+See ``bench/triton_check.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 if _compat.JAX_VERSION < (0, 11):
     pytest.skip("the GPU machines run jax 0.11; its Triton IR is what matters", allow_module_level=True)
 
-from pallas_kernels import _triton_check  # noqa: E402
+from bench import triton_check as _triton_check  # noqa: E402
 
 spec = jax.ShapeDtypeStruct
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 import transformers
 
-from jpaged import checkpoint, loader
-from jpaged.config import ModelConfig
+from jpaged import weights
+from jpaged.weights import checkpoint, loader
+from jpaged.device.config import ModelConfig
 
 
 def expected_params(sd: dict, c: ModelConfig) -> dict[str, np.ndarray]:
@@ -127,7 +128,7 @@ def test_default_model_tokenizer_chat_template(default_model):
 
 def test_checkpoint_roundtrip(default_model, tmp_path):
     path = checkpoint.save(default_model, tmp_path / "ckpt")
-    again = loader.load_model(path, dtype=jnp.bfloat16)
+    again = weights.load_model(path, dtype=jnp.bfloat16)
     assert again.config == default_model.config and again.path == path
     assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(again.params))
     ref = flat_params(default_model.params)
@@ -157,7 +158,7 @@ def test_hf_directory_loads(default_model, tmp_path, tied, shard, torch_dtype):
     default_model.tokenizer.save_pretrained(tmp_path)
     assert (len(list(tmp_path.glob("*.safetensors"))) > 1) == bool(shard)
 
-    loaded = loader.load_model(tmp_path)
+    loaded = weights.load_model(tmp_path)
     assert_config_matches(loaded.config, model.config, model.generation_config)
     assert loaded.config.tie_word_embeddings == tied and (loaded.params.lm_head is None) == tied
     assert loaded.tokenizer.chat_template is not None
@@ -169,7 +170,7 @@ def test_hf_directory_without_tokenizer(tmp_path):
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="tokenizer") as e:
-        loader.load_model(tmp_path)
+        weights.load_model(tmp_path)
     assert str(tmp_path) in str(e.value) and "\n" not in str(e.value)
 
 
@@ -177,7 +178,7 @@ def test_hf_directory_rejects_other_architectures(tmp_path):
     transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="model_type 'gpt2'.*expected 'llama'") as e:
-        loader.load_model(tmp_path)
+        weights.load_model(tmp_path)
     assert str(tmp_path) in str(e.value)
 
 
@@ -190,7 +191,7 @@ def test_bad_paths(tmp_path, kind):
     if kind in ("text_file", "bad_gguf"):
         path.write_text("not a model\n")
     with pytest.raises(ValueError) as e:
-        loader.load_model(str(path))
+        weights.load_model(str(path))
     message = str(e.value)
     assert str(path) in message and "\n" not in message
     if kind != "bad_gguf":
@@ -201,7 +202,7 @@ def test_missing_default_model(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == loader.DEFAULT_MODEL_PACKAGE else real(name, *a))
-    for call in (loader.default_model_path, loader.load_model):
+    for call in (loader.default_model_path, weights.load_model):
         with pytest.raises(ValueError, match="not installed") as e:
             call()
         assert loader.DEFAULT_MODEL_INSTALL in str(e.value)

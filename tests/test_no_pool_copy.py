@@ -9,11 +9,11 @@ import re
 import jax
 import pytest
 
-from jpaged.attention import XLABackend
-from jpaged.config import ModelConfig
-from jpaged.params import init_params
-from jpaged.runner import ModelRunner
-from jpaged.scheduler import Row
+from jpaged.device.attention.xla import XLABackend
+from jpaged.device.config import ModelConfig
+from jpaged.device.params import init_params
+from jpaged.device.runner import ModelRunner
+from jpaged.core.scheduler import Row
 
 CONFIG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=16, max_position_embeddings=512)
@@ -28,7 +28,7 @@ def test_compiled_step_updates_the_pool_in_place(decode):
     before = runner.cache.k
     runner.execute(rows, decode=decode)
     assert before.is_deleted()  # the donated buffer was consumed, not kept alongside a copy
-    (executable,) = runner._executables.values()
+    (executable,) = runner.executables.values()
     hlo = executable.as_text()
     pool = f"f32[{CONFIG.num_layers},{NUM_BLOCKS},{BLOCK_SIZE},{CONFIG.num_kv_heads},{CONFIG.head_dim}]"
     assert "input_output_alias" in hlo

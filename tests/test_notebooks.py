@@ -16,10 +16,10 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").g
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, default_model, monkeypatch):
-    import jpaged.engine
+    from jpaged.engine import llm_engine
 
     # the notebook loads the default model; hand it the session's copy instead of reading the file again
-    monkeypatch.setattr(jpaged.engine, "load_model", lambda path, dtype=None: default_model)
+    monkeypatch.setattr(llm_engine, "load_model", lambda path, dtype=None: default_model)
     namespace = {"__name__": "__notebook__"}
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
     assert cells

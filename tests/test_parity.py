@@ -17,15 +17,15 @@ import pytest
 import torch
 import transformers
 
-from conftest import chat_token_ids
+from conftest import chat_token_ids, scattered_blocks
 from dense_reference import dense_logits
 from jpaged import LLM, SamplingParams
-from jpaged.attention import XLABackend
-from jpaged.batch import pack_rows
-from jpaged.block_manager import slot_ids
-from jpaged.kv_cache import KVCache
-from jpaged.model import compute_logits, forward
-from jpaged.scheduler import Row
+from jpaged.device.attention.xla import XLABackend
+from jpaged.device.batch import pack_rows
+from jpaged.core.kv_cache_manager import slot_ids
+from jpaged.device.kv_cache import KVCache
+from jpaged.device.model import compute_logits, forward
+from jpaged.core.scheduler import Row
 
 PREFILL_PROMPTS = (0, 3, 8, 9, 10)  # chat lengths 58, 42, 73, 100, 54 tokens
 GREEDY_PROMPTS = tuple(range(8))  # chat lengths 37..58 tokens; the Paris question is added (it ends at EOS)
@@ -50,7 +50,7 @@ def shuffled_block_ids(num_blocks: int, seed: int) -> tuple[int, ...]:
 
 
 def paged_prefill_logits(params, config, token_id_lists, *, block_size: int, seed: int) -> list[np.ndarray]:
-    """Prefills all sequences in one packed batch through `jpaged.model.forward`, each into blocks
+    """Prefills all sequences in one packed batch through `jpaged.device.model.forward`, each into blocks
     drawn at random from a fresh pool, and returns each sequence's logits f32[len, vocab] at every
     position. Block tables and slots are drawn here; `pack_rows` lays the rows end to end, with
     small query and key tiles so that every row spans several of both."""
@@ -111,7 +111,7 @@ def hf_greedy_outputs(hf_default_model, greedy_token_ids) -> list[tuple[list[int
 @pytest.fixture(scope="module")
 def llm_bs4(make_llm) -> LLM:
     """Block size 4 with a shuffled free list: consecutive blocks of a sequence are scattered."""
-    return make_llm(block_size=4, num_blocks=256, free_block_ids=shuffled_block_ids(256, seed=4))
+    return make_llm(block_size=4, num_blocks=256, kv_cache_manager=scattered_blocks(seed=4))
 
 
 # ---------------------------------------------------------------- prefill
@@ -218,7 +218,7 @@ def test_random_hf_llama_loads_and_matches(tmp_path, default_model):
     model.save_pretrained(tmp_path)
     default_model.tokenizer.save_pretrained(tmp_path)
 
-    llm = LLM(model=str(tmp_path), block_size=4, num_blocks=64, free_block_ids=shuffled_block_ids(64, seed=2))
+    llm = LLM(model=str(tmp_path), block_size=4, num_blocks=64, kv_cache_manager=scattered_blocks(seed=2))
     assert llm.engine.model.config.num_layers == 2 and llm.engine.model.params.lm_head is not None
     prompts = ["The quick brown fox jumps over the lazy dog.", "Hello", "Paged attention splits the KV cache into blocks."]
     token_id_lists = [list(llm.tokenizer(p).input_ids) for p in prompts]

@@ -1,18 +1,12 @@
-"""Orca baselines: buddy allocator, reservation policies, and the memory-utilization simulation."""
-
-import sys
-from pathlib import Path
+"""Orca baselines (`bench/baselines/reservation.py`): buddy allocator, reservation policies, and the
+memory-utilization simulation of `bench/memory_utilization.py`."""
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `bench` is a plain directory at the repository root
-    sys.path.insert(0, str(ROOT))
-
-from bench import memory_utilization as mu  # noqa: E402
-from bench import traces  # noqa: E402
-from jpaged.reservation import (  # noqa: E402
+from bench import memory_utilization as mu
+from bench import traces
+from bench.baselines.reservation import (
     ORCA_MAX, ORCA_ORACLE, ORCA_POW2, BuddyAllocator, ReservationManager, next_power_of_two)
 
 

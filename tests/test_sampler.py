@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged.sampler import SamplingInputs, draw, filter_top_k_top_p, row_key, sample
+from jpaged.device.sampler import SamplingInputs, draw, filter_top_k_top_p, row_key, sample
 
 
 def reference_filter(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:

@@ -20,7 +20,7 @@ def main(out_dir: str) -> None:
     import transformers
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from jpaged.loader import default_model_path
+    from jpaged.weights import default_model_path
 
     gguf = default_model_path()
     out = Path(out_dir)

@@ -4,6 +4,12 @@
 (a prefill or a decode over the running batch) and returns the requests that progressed;
 `abort` ends a request wherever it is. `add_request` and `abort` may be called from other threads
 while one thread drives `step()`: they queue under a lock and take effect at the next step.
+
+A step: the scheduler (`jpaged.core.scheduler`) decides what runs and updates its KV cache manager
+snapshot; the runner (`jpaged.device.runner`) applies the block operations, runs the jitted model
+step and samples; the engine turns samples into tokens and text, decides stops (telling the
+scheduler, which finishes sequences) and applies beam-search decisions (`jpaged.core.beam_search`).
+Observers (`add_observer`) get a `StepRecord` of every step.
 """
 
 from __future__ import annotations
@@ -11,76 +17,48 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import logging
 import threading
 import time
-from typing import Optional, Sequence as Seq
+from typing import Callable, Optional, Sequence as Seq
 
-import jax.numpy as jnp
 import numpy as np
 
-from jpaged import beam_search
-from jpaged.attention import get_backend
-from jpaged.block_manager import BlockManager
-from jpaged.detokenizer import append_text, find_stop, stream_safe_length
-from jpaged.kv_cache import bytes_per_block, num_blocks_for_memory, parse_memory_size
-from jpaged.loader import LoadedModel, load_model
-from jpaged.params import cast_params
-from jpaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jpaged.runner import ModelRunner, SampleRow
-from jpaged.sampling_params import SamplingParams
-from jpaged.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from jpaged.sequence import Sequence, SequenceGroup
+from jpaged.core import beam_search
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.detokenizer import append_text, find_stop, stream_safe_length
+from jpaged.core.kv_cache_manager import ForkingKVCacheManager, KVCacheManager, KVCacheSpec
+from jpaged.core.sampling_params import SamplingParams
+from jpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jpaged.core.sequence import Sequence, SequenceGroup
+from jpaged.device.attention import get_backend
+from jpaged.device.kv_cache import bytes_per_block, num_blocks_for_memory, parse_memory_size
+from jpaged.device.params import cast_params
+from jpaged.device.runner import ModelRunner, SampleRow
+from jpaged.engine.config import EngineConfig
+from jpaged.engine.observer import StepObserver, StepRecord
+from jpaged.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jpaged.weights import LoadedModel, load_model
 
-logger = logging.getLogger("jpaged")
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Static engine settings. `num_blocks` counts the whole pool, the null block included;
-    when None it is sized from `kv_cache_memory` (bytes or e.g. '1GiB')."""
-
-    model: Optional[str] = None
-    block_size: int = 16
-    num_blocks: Optional[int] = None
-    kv_cache_memory: str | int = "1GiB"
-    dtype: str = "float32"
-    attention_backend: str = "auto"
-    interpret: bool = False
-    max_model_len: Optional[int] = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: Optional[int] = None
-    preemption_mode: str = "recompute"
-    swap_space: float = 0.0  # GiB of CPU block pool, as in vLLM
-    enable_prefix_caching: bool = False
-    seed: int = 0
-    free_block_ids: Optional[tuple[int, ...]] = None  # initial free-list order (tests scatter blocks)
-    kv_policy: str = "paged"  # or the contiguous-reservation baselines "orca_max" / "orca_pow2" / "orca_oracle"
-
-    def __post_init__(self):
-        b = self.block_size
-        if not (isinstance(b, int) and b >= 1 and b & (b - 1) == 0):
-            raise ValueError(f"block_size must be a power of two (e.g. 16), got {b!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null block), got {self.num_blocks}")
-        if self.kv_policy not in ("paged", "orca_max", "orca_pow2", "orca_oracle"):
-            raise ValueError(f"kv_policy must be 'paged', 'orca_max', 'orca_pow2' or 'orca_oracle', got {self.kv_policy!r}")
-        if self.kv_policy != "paged" and (self.preemption_mode == "swap" or self.enable_prefix_caching):
-            raise ValueError(f"kv_policy={self.kv_policy!r} reserves contiguous runs: it supports neither swap "
-                             "nor prefix caching (use kv_policy='paged')")
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+KVCacheManagerFactory = Callable[[KVCacheSpec], KVCacheManager]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig = EngineConfig(), *, loaded: Optional[LoadedModel] = None, **overrides):
+    """The engine. Build it with an `EngineConfig` (fields may also be given as keywords), and:
+
+    loaded: an already loaded model (`jpaged.weights.load_model`) instead of `config.model`;
+    runner: an existing `ModelRunner` (its parameters, KV pool and compiled executables) to reuse
+      instead of allocating a new pool; it must match the model and the pool's geometry;
+    kv_cache_manager: a factory `KVCacheSpec -> KVCacheManager` (default: paging,
+      `BlockManager.from_spec`); the scheduler talks to what it builds through the
+      `jpaged.core.kv_cache_manager` protocols.
+    """
+
+    def __init__(self, config: EngineConfig = EngineConfig(), *, loaded: Optional[LoadedModel] = None,
+                 runner: Optional[ModelRunner] = None, kv_cache_manager: Optional[KVCacheManagerFactory] = None,
+                 **overrides):
         config = dataclasses.replace(config, **overrides)
         self.config = config
-        dtype = DTYPES[config.dtype]
+        dtype = config.jnp_dtype
         if loaded is not None and loaded.params.embed.dtype != dtype:
             loaded = dataclasses.replace(loaded, params=cast_params(loaded.params, dtype))
         self.model = loaded if loaded is not None else load_model(config.model, dtype=dtype)
@@ -96,19 +74,23 @@ class LLMEngine:
         num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block(model_config, config.block_size, dtype))
         if config.preemption_mode == "swap":
             num_cpu_blocks = min(max(num_cpu_blocks, 1), num_blocks)  # never needs more than the device pool
-        self.block_manager_args = dict(num_blocks=num_blocks, block_size=config.block_size,
-                                       num_cpu_blocks=num_cpu_blocks,
-                                       enable_prefix_caching=config.enable_prefix_caching,
-                                       free_block_ids=config.free_block_ids)
+        self.kv_cache_spec = KVCacheSpec(num_blocks=num_blocks, block_size=config.block_size,
+                                         num_cpu_blocks=num_cpu_blocks,
+                                         enable_prefix_caching=config.enable_prefix_caching,
+                                         max_model_len=self.max_model_len)
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or max(self.max_model_len, 2048),
-            preemption_mode=config.preemption_mode)
-        self.scheduler = Scheduler(self._create_block_manager(), scheduler_config)
-        params = self.model.params
-        self.runner = ModelRunner(model_config, params, num_blocks=num_blocks, block_size=config.block_size,
-                                  dtype=dtype, backend=get_backend(config.attention_backend, interpret=config.interpret),
-                                  num_cpu_blocks=num_cpu_blocks)
+            preemption_mode=config.preemption_mode, watermark=config.watermark)
+        factory = kv_cache_manager or BlockManager.from_spec
+        self.scheduler = Scheduler(factory(self.kv_cache_spec), scheduler_config)
+        if runner is None:
+            runner = ModelRunner(model_config, self.model.params, num_blocks=num_blocks,
+                                 block_size=config.block_size, dtype=dtype, num_cpu_blocks=num_cpu_blocks,
+                                 backend=get_backend(config.attention_backend, interpret=config.interpret))
+        else:
+            _check_runner(runner, model_config, self.kv_cache_spec, dtype)
+        self.runner = runner
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self._rng = np.random.default_rng(config.seed)
         self._seq_ids = itertools.count()
@@ -116,24 +98,27 @@ class LLMEngine:
         self._new: collections.deque[SequenceGroup] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
         self._request_ids: set[str] = set()
+        self._observers: list[StepObserver] = []
         self.peak_used_blocks = 0
         self.num_steps = 0
-        # cumulative seconds: whole steps (compilation excluded), scheduling, device executables, the rest
+        # cumulative seconds: whole steps (compilation and statistics excluded), scheduling,
+        # device executables, the rest
         self.timings = collections.Counter(step_s=0.0, schedule_s=0.0, device_s=0.0, host_s=0.0)
         self._utilization_sum = 0.0
         self._utilization_steps = 0
 
-    def _create_block_manager(self):
-        if self.config.kv_policy == "paged":
-            return BlockManager.create(**self.block_manager_args)
-        from jpaged.reservation import OrcaBlockManager
-
-        return OrcaBlockManager.create(policy=self.config.kv_policy, max_model_len=self.max_model_len,
-                                       **self.block_manager_args)
-
     @property
     def num_blocks(self) -> int:
-        return self.block_manager_args["num_blocks"]
+        return self.kv_cache_spec.num_blocks
+
+    # ---- observers ---------------------------------------------------------------------------
+
+    def add_observer(self, observer: StepObserver) -> None:
+        """Calls `observer(record)` with a `StepRecord` after every step (in the stepping thread)."""
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: StepObserver) -> None:
+        self._observers.remove(observer)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -160,9 +145,11 @@ class LLMEngine:
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def check_request(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
-        if self.config.kv_policy != "paged" and (params.n > 1 or params.use_beam_search):
-            raise ValueError(f"kv_policy={self.config.kv_policy!r} reserves one contiguous run per sequence and "
-                             "cannot share blocks: use n=1 without beam search, or kv_policy='paged'")
+        """Raises ValueError, saying what to change, for a request this engine can never serve."""
+        manager = self.scheduler.block_manager
+        if (params.n > 1 or params.use_beam_search) and not isinstance(manager, ForkingKVCacheManager):
+            raise ValueError(f"this engine's KV cache manager ({type(manager).__name__}) cannot share "
+                             "blocks between sequences: use n=1 without beam search")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise ValueError(f"prompt is {n} tokens but the model's context is {self.max_model_len}: "
@@ -182,11 +169,11 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         self.check_request(ids, params)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
-        width = params.beam_width if params.use_beam_search else params.n
-        num_seqs = 1 if params.use_beam_search else width
+        num_seqs = 1 if params.use_beam_search else params.n
         seqs = [Sequence(next(self._seq_ids), i, tuple(ids)) for i in range(num_seqs)]
         group = SequenceGroup(str(request_id), text, tuple(ids), params, seed, seqs,
-                              arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+                              arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+                              beam_state=beam_search.BeamState() if params.use_beam_search else None)
         with self._lock:
             if group.request_id in self._request_ids:
                 raise ValueError(f"request_id {request_id!r} is already in use: pick a unique id")
@@ -205,26 +192,41 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step. Returns the requests that progressed (cumulative outputs)."""
-        start = time.perf_counter()
-        device_before, compile_before = self.runner.device_seconds, self.runner.compile_seconds
+        start, cpu_start = time.perf_counter(), time.process_time()
+        self.runner.take_calls()  # executables run outside a step (a user's own calls) are not this step's
         aborted = self._drain_queues()
         out = self.scheduler.schedule()
-        self.timings["schedule_s"] += time.perf_counter() - start
+        schedule_s = time.perf_counter() - start
         progressed = {g.request_id: g for g in aborted + out.finished}
+        shape, num_padded, num_sampled = None, 0, 0
         if out.rows:
-            self._execute(out)
+            shape, num_padded, num_sampled = self._execute(out)
             progressed.update((g.request_id, g) for g in out.groups)
-        self.num_steps += 1
-        self._record_usage()
         results = [self._request_output(g) for g in progressed.values()]
         for group in progressed.values():
             if group.is_finished:
                 self._request_ids.discard(group.request_id)
-        total = time.perf_counter() - start - (self.runner.compile_seconds - compile_before)
-        device = self.runner.device_seconds - device_before
-        self.timings["step_s"] += total
+        calls = self.runner.take_calls()
+        compile_s = sum(c.compile_seconds for c in calls)
+        seconds = time.perf_counter() - start - compile_s
+        cpu_seconds = time.process_time() - cpu_start - sum(c.compile_cpu_seconds for c in calls)
+        self._record_usage()  # statistics: after the step's clock stopped
+        record = StepRecord(
+            index=self.num_steps, kind=("decode" if out.is_decode else "prefill") if out.rows else None,
+            num_rows=len(out.rows), num_computed_tokens=out.num_tokens, num_padded_tokens=num_padded,
+            num_sampled_tokens=num_sampled, shape=shape, calls=calls, ops=out.ops, seconds=seconds,
+            cpu_seconds=cpu_seconds, compile_seconds=compile_s, kv=self.scheduler.block_manager,
+            num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
+            num_swapped=len(self.scheduler.swapped), preempted=tuple(g.request_id for g in out.preempted),
+            finished=tuple(g.request_id for g in progressed.values() if g.is_finished))
+        self.num_steps += 1
+        device = record.device_seconds
+        self.timings["step_s"] += seconds
+        self.timings["schedule_s"] += schedule_s
         self.timings["device_s"] += device
-        self.timings["host_s"] += total - device
+        self.timings["host_s"] += seconds - device
+        for observer in list(self._observers):
+            observer(record)
         return results
 
     def _drain_queues(self) -> list[SequenceGroup]:
@@ -233,19 +235,16 @@ class LLMEngine:
                 self.scheduler.add(self._new.popleft())
             aborts = list(self._aborts)
             self._aborts.clear()
-        aborted = []
-        for request_id in aborts:
-            group = self.scheduler.abort(request_id)
-            if group is not None:
-                group.finished_time = time.monotonic()
-                aborted.append(group)
-        return aborted
+        return [g for g in map(self.scheduler.abort, aborts) if g is not None]
 
-    def _execute(self, out: SchedulerOutput) -> None:
+    def _execute(self, out: SchedulerOutput) -> tuple[tuple, int, int]:
+        """Runs the step's block operations, model step and sampler, and applies the samples.
+        Returns (the model step's input shapes, its padded token count, tokens sampled)."""
         self.runner.swap_out(out.ops.swap_out)
         self.runner.swap_in(out.ops.swap_in)
         self.runner.copy_blocks(out.ops.copy_pairs)
-        logits = self.runner.execute(out.rows, decode=out.is_decode)
+        inputs = self.runner.make_inputs(out.rows, decode=out.is_decode)
+        logits = self.runner.run_step(inputs, decode=out.is_decode)
         group_of = {s.seq_id: g for g in out.groups for s in g.seqs}
         sample_rows, targets = [], []
         for row, seqs in enumerate(out.row_seqs):
@@ -267,8 +266,8 @@ class LLMEngine:
                 group.first_token_time = now
             entries = by_group[group.request_id]
             if group.params.use_beam_search:
-                beam_search.step(self, group, [(seq, samples["top_ids"][i], samples["top_logprobs"][i])
-                                               for seq, i in entries])
+                self._beam_step(group, [(seq, samples["top_ids"][i], samples["top_logprobs"][i])
+                                        for seq, i in entries])
             else:
                 for seq, i in entries:
                     top = None
@@ -276,52 +275,78 @@ class LLMEngine:
                         k = group.params.logprobs
                         top = dict(zip(samples["top_ids"][i][:k].tolist(), samples["top_logprobs"][i][:k].tolist()))
                     seq.append_token(int(samples["token_ids"][i]), float(samples["logprobs"][i]), top)
-                    self._check_stop(group, seq)
+                    reason = self._stop_reason(group, seq)
+                    if reason is not None:
+                        self.scheduler.finish_seq(seq, reason)
             if not group.live_seqs:
                 self.scheduler.finish_group(group)
+        return inputs.shape_key, int(inputs.token_ids.shape[0]), len(targets)
 
-    def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
-        """Sets `seq.finish_reason` when it hit EOS, a stop token or string, max_tokens or the context."""
+    def _beam_step(self, group: SequenceGroup, beams: list) -> None:
+        """Applies one step of beam search: forks for parents chosen more than once, frees the beams
+        not chosen, appends the chosen tokens."""
+        p = group.params
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        decision = beam_search.step(group.beam_state, p, beams, stop_ids, self.max_model_len)
+        continued, seqs = set(), []
+        for candidate in decision.beams:  # fork before anything is appended to the parent
+            parent = candidate.parent
+            if parent.seq_id in continued:
+                seqs.append(self.scheduler.fork_seq(parent, next(self._seq_ids)))
+            else:
+                continued.add(parent.seq_id)
+                seqs.append(parent)
+        self.scheduler.set_beams(group, seqs)
+        for seq, candidate in zip(seqs, decision.beams):
+            seq.append_token(candidate.token_id, candidate.logprob)
+        group.beam_state = decision.state
+
+    def _stop_reason(self, group: SequenceGroup, seq: Sequence) -> Optional[str]:
+        """Detokenizes the newest token; returns why `seq` stops ("stop": EOS, a stop token or
+        string, whose text is cut; "length": max_tokens or the context), or None."""
         p = group.params
         token = seq.last_token_id
         new_text = append_text(self.tokenizer, seq)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            seq.finish_reason = "stop"
-        else:
-            cut = find_stop(seq.text, p.stop, len(new_text))
-            if cut is not None:
-                seq.text = seq.text[:cut]
-                seq.finish_reason = "stop"
-            elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = "length"
-        if seq.finished:
-            self.scheduler.free_seq(seq)
-
-    def new_seq_id(self) -> int:
-        return next(self._seq_ids)
+            return "stop"
+        cut = find_stop(seq.text, p.stop, len(new_text))
+        if cut is not None:
+            seq.text = seq.text[:cut]
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     # ---- outputs and statistics --------------------------------------------------------------
 
-    def _request_output(self, group: SequenceGroup) -> RequestOutput:
-        if group.params.use_beam_search:
-            seqs = beam_search.ranked(group)
+    def _completions(self, group: SequenceGroup) -> list[CompletionOutput]:
+        """A beam group's finished hypotheses (once done) or running beams, best first; otherwise
+        the samples in order. Text still open to a stop string is held back (never retracted)."""
+        p = group.params
+        logprobs = [] if p.logprobs is not None else None  # beams carry no per-token top log-probabilities
+        if p.use_beam_search and not group.seqs:
+            return [CompletionOutput(i, self.tokenizer.decode(h.output_token_ids, skip_special_tokens=True),
+                                     list(h.output_token_ids), h.cumulative_logprob, h.finish_reason, logprobs)
+                    for i, h in enumerate(group.beam_state.finished)]
+        if p.use_beam_search:
+            seqs = sorted(group.seqs, key=lambda s: -s.cumulative_logprob)
         else:
             seqs = sorted(group.seqs, key=lambda s: s.sample_index)
-        outputs = []
-        for index, seq in enumerate(seqs):
-            text = seq.text if seq.finished else seq.text[:stream_safe_length(seq.text, group.params.stop)]
-            outputs.append(CompletionOutput(index, text, list(seq.output_token_ids), seq.cumulative_logprob,
-                                            seq.finish_reason,
-                                            list(seq.output_logprobs) if group.params.logprobs is not None else None))
+        return [CompletionOutput(i, seq.text if seq.finished else seq.text[:stream_safe_length(seq.text, p.stop)],
+                                 list(seq.output_token_ids), seq.cumulative_logprob, seq.finish_reason,
+                                 list(seq.output_logprobs) if p.logprobs is not None else None)
+                for i, seq in enumerate(seqs)]
+
+    def _request_output(self, group: SequenceGroup) -> RequestOutput:
         metrics = RequestMetrics(group.arrival_time, group.first_scheduled_time, group.first_token_time,
                                  group.finished_time, group.num_preemptions, group.num_cached_tokens)
-        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids), outputs,
+        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids), self._completions(group),
                              group.is_finished, metrics)
 
     def _record_usage(self) -> None:
         """Peak used blocks, and KV utilization: token slots holding K/V over the slots of the device
-        blocks in use (a block shared by several tables counts once; reserved-but-empty blocks of the
-        Orca baselines count as in use)."""
+        blocks in use (a block shared by several tables counts once; a manager that reserves blocks
+        ahead counts them as in use)."""
         bm = self.scheduler.block_manager
         used = bm.num_blocks - 1 - bm.num_free_blocks
         self.peak_used_blocks = max(self.peak_used_blocks, used)
@@ -352,3 +377,13 @@ class LLMEngine:
             "compile_seconds": self.runner.compile_seconds,
             "waiting": len(s.waiting), "running": len(s.running), "swapped": len(s.swapped),
         }
+
+
+def _check_runner(runner: ModelRunner, model_config, spec: KVCacheSpec, dtype) -> None:
+    """A runner given to an engine must be for its model and hold pools of its geometry."""
+    have = (runner.config, runner.num_blocks, runner.block_size, runner.num_cpu_blocks, runner.cache.k.dtype)
+    want = (model_config, spec.num_blocks, spec.block_size, spec.num_cpu_blocks, np.dtype(dtype))
+    names = ("model config", "num_blocks", "block_size", "num_cpu_blocks", "dtype")
+    for name, a, b in zip(names, have, want):
+        if a != b:
+            raise ValueError(f"the runner given does not fit this engine: its {name} is {a}, the engine's {b}")

@@ -14,10 +14,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jpaged.batch import ModelInputs
-from jpaged.config import ModelConfig
-from jpaged.kv_cache import KVCache
-from jpaged.params import LlamaParams
+from jpaged.device.batch import ModelInputs
+from jpaged.device.config import ModelConfig
+from jpaged.device.kv_cache import KVCache
+from jpaged.device.params import LlamaParams
 
 
 def rms_norm(x, weight, eps):

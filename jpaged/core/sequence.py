@@ -1,8 +1,13 @@
 """Sequences and sequence groups: the host-side record of each request (no JAX).
 
 One request is one `SequenceGroup`: its n parallel samples, or its beam candidates. A group is
-scheduled, preempted and resumed as a whole. The scheduler owns the groups and is the only code
-that changes their status; the engine appends sampled tokens through `Sequence.append_token`.
+scheduled, preempted and resumed as a whole.
+
+Owners. The scheduler (`jpaged.core.scheduler`) owns every group's lifecycle: it alone sets a
+group's `status`, its timestamps of scheduling and finishing, which sequences it holds (`seqs`:
+forks, prunes) and every `Sequence.finish_reason`. The engine owns what is generated: it appends
+sampled tokens (`Sequence.append_token`), detokenizes them (`text`, the offsets) and keeps the
+beam-search state (`beam_state`) and the time of the first token.
 
 KV invariant: a RUNNING sequence has every token but the last in the KV cache; its last token is
 written by the next decode step. A WAITING sequence has nothing cached (recompute re-prefills
@@ -16,7 +21,7 @@ import enum
 import time
 from typing import Any, Optional
 
-from jpaged.sampling_params import SamplingParams
+from jpaged.core.sampling_params import SamplingParams
 
 
 class GroupStatus(enum.Enum):
@@ -82,7 +87,7 @@ class SequenceGroup:
     seqs: list[Sequence]
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     status: GroupStatus = GroupStatus.WAITING
-    beam_state: Any = None  # beam_search.BeamState for beam-search groups
+    beam_state: Any = None  # jpaged.core.beam_search.BeamState, for beam-search groups
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None

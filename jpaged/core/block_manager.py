@@ -1,8 +1,9 @@
-"""The KV block manager (PagedAttention, sections 4.2-4.5) as an immutable snapshot.
+"""The paged KV block manager (PagedAttention, sections 4.2-4.5) as an immutable snapshot.
 
 A `BlockManager` is a value: `allocate`, `append`, `fork`, `free`, `swap_out` and `swap_in` return
 a new snapshot (plus the `DeviceOps` the device must run) and never mutate the old one, so a failed
-operation leaves its input untouched. Host-side only: no JAX here.
+operation leaves its input untouched. It implements `jpaged.core.kv_cache_manager`'s
+`KVCacheManager`, `ForkingKVCacheManager` and `SwappingKVCacheManager`. Host-side only: no JAX.
 
 Vocabulary (the paper's): the device pool holds `num_blocks` physical blocks of `block_size` token
 slots; a sequence's block table maps its logical blocks to physical block ids; slot =
@@ -30,42 +31,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
-NULL_BLOCK_ID = 0
-SeqId = Hashable
+from jpaged.core.kv_cache_manager import (NULL_BLOCK_ID, DeviceOps, KVCacheSpec, OutOfBlocksError, SeqId,
+                                          check_unique, slot_ids)
+from jpaged.core.persistent import SHARD_BITS, Queue, Table, TableEdit
+
 # A full block's identity for prefix caching: (hash() of the parent block's BlockHash, or None for
 # the first block; the block's token ids). Keying on the token ids themselves means only a
 # collision of the 64-bit parent hash could alias two different prefixes.
 BlockHash = tuple
-
-
-def slot_ids(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
-    """Device slots of positions [start, end) of a sequence with this block table (`jpaged.kv_cache` layout)."""
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-
-
-class OutOfBlocksError(ValueError):
-    """Not enough free blocks for an operation (callers check `can_*` first)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceOps:
-    """Device work implied by block-manager operations. Apply in this order: swap_out, swap_in,
-    copy_pairs, then the step's K/V writes. That is correct as long as a step that swaps in does
-    not also swap out (the scheduler never swaps in while it preempts)."""
-
-    copy_pairs: tuple[tuple[int, int], ...] = ()  # copy-on-write: (src_block_id, dst_block_id)
-    swap_out: tuple[tuple[int, int], ...] = ()  # (device_block_id, cpu_block_id)
-    swap_in: tuple[tuple[int, int], ...] = ()  # (cpu_block_id, device_block_id)
-
-    def __add__(self, other: DeviceOps) -> DeviceOps:
-        return DeviceOps(self.copy_pairs + other.copy_pairs, self.swap_out + other.swap_out,
-                         self.swap_in + other.swap_in)
-
-    def __bool__(self) -> bool:
-        return bool(self.copy_pairs or self.swap_out or self.swap_in)
 
 
 class _Seq(NamedTuple):
@@ -79,30 +55,30 @@ class _Seq(NamedTuple):
 @dataclasses.dataclass(frozen=True, repr=False)
 class BlockManager:
     """Snapshot of the device and CPU block pools and every sequence's block table; build one with
-    `create`. Its tables are persistent (see `_Table`): never mutated, shared between snapshots."""
+    `create`. Its tables and queues are persistent (`jpaged.core.persistent`): never mutated,
+    shared between snapshots."""
 
     num_blocks: int  # the whole device pool, null block included
     block_size: int
     num_cpu_blocks: int
     enable_prefix_caching: bool
-    _seqs: tuple  # table: seq_id -> _Seq
-    _refcounts: tuple  # table: device block id -> refcount, for blocks in use only
-    _free: _Queue  # free uncached device blocks; the front is allocated next
-    _evictable: _Queue  # cached device blocks with refcount 0, least recently freed first
-    _cached: tuple  # table, the prefix cache: BlockHash -> device block id
-    _block_hashes: tuple  # table, its inverse: device block id -> BlockHash
-    _cpu_refcounts: tuple
-    _free_cpu: _Queue
+    _seqs: Table  # seq_id -> _Seq
+    _refcounts: Table  # device block id -> refcount, for blocks in use only
+    _free: Queue  # free uncached device blocks; the front is allocated next
+    _evictable: Queue  # cached device blocks with refcount 0, least recently freed first
+    _cached: Table  # the prefix cache: BlockHash -> device block id
+    _block_hashes: Table  # its inverse: device block id -> BlockHash
+    _cpu_refcounts: Table  # CPU block id -> refcount, for blocks in use only
+    _free_cpu: Queue  # free CPU blocks
 
     @classmethod
     def create(cls, num_blocks: int, block_size: int, *, num_cpu_blocks: int = 0,
                enable_prefix_caching: bool = False,
-               free_block_ids: Sequence[int] | None = None, shard_bits: int = None) -> BlockManager:
+               free_block_ids: Sequence[int] | None = None, shard_bits: int = SHARD_BITS) -> BlockManager:
         """`free_block_ids`: the initial free-list order, a permutation of 1..num_blocks-1
         (default ascending). CPU blocks are 0..num_cpu_blocks-1, ascending. `shard_bits`: the
         persistent tables' shard width, 2**shard_bits consecutive keys a shard (default SHARD_BITS;
         tests lower it so small pools exercise many shards)."""
-        shard_bits = SHARD_BITS if shard_bits is None else shard_bits
         if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
             raise ValueError(f"bad pool: num_blocks={num_blocks}, block_size={block_size}, "
                              f"num_cpu_blocks={num_cpu_blocks}")
@@ -110,10 +86,16 @@ class BlockManager:
         if sorted(ids) != list(range(1, num_blocks)):
             raise ValueError(f"free_block_ids must be a permutation of 1..{num_blocks - 1} "
                              f"(block {NULL_BLOCK_ID} is the null block)")
-        empty, cpu_empty = _empty_table(num_blocks, shard_bits), _empty_table(num_cpu_blocks, shard_bits)
+        empty, cpu_empty = Table.empty(num_blocks, shard_bits), Table.empty(num_cpu_blocks, shard_bits)
         return cls(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, empty, empty,
-                   _Queue.of(ids, empty), _Queue.of([], empty), empty, empty, cpu_empty,
-                   _Queue.of(range(num_cpu_blocks), cpu_empty))
+                   Queue.of(ids, num_blocks, shard_bits), Queue.of([], num_blocks, shard_bits), empty, empty,
+                   cpu_empty, Queue.of(range(num_cpu_blocks), num_cpu_blocks, shard_bits))
+
+    @classmethod
+    def from_spec(cls, spec: KVCacheSpec) -> BlockManager:
+        """The engine's default KV cache manager factory: paging over the spec's pools."""
+        return cls.create(spec.num_blocks, spec.block_size, num_cpu_blocks=spec.num_cpu_blocks,
+                          enable_prefix_caching=spec.enable_prefix_caching)
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -137,13 +119,13 @@ class BlockManager:
     @property
     def seq_ids(self) -> tuple:
         """Every sequence, running or swapped out, in no particular order."""
-        return tuple(seq_id for shard in self._seqs for seq_id in shard)
+        return tuple(self._seqs)
 
     def has(self, seq_id: SeqId) -> bool:
-        return seq_id in _shard(self._seqs, seq_id)
+        return seq_id in self._seqs
 
     def _seq(self, seq_id: SeqId, swapped: bool | None = None) -> _Seq:
-        return _checked(_shard(self._seqs, seq_id).get(seq_id), seq_id, swapped)
+        return _checked(self._seqs.get(seq_id), seq_id, swapped)
 
     def block_table(self, seq_id: SeqId) -> tuple[int, ...]:
         """Physical block ids in logical order (CPU block ids while swapped out)."""
@@ -167,27 +149,26 @@ class BlockManager:
         return slot_ids(seq.block_ids, start, end, bs)
 
     def refcount(self, block_id: int) -> int:
-        return _shard(self._refcounts, block_id).get(block_id, 0)
+        return self._refcounts.get(block_id, 0)
 
     def cpu_refcount(self, cpu_block_id: int) -> int:
-        return _shard(self._cpu_refcounts, cpu_block_id).get(cpu_block_id, 0)
+        return self._cpu_refcounts.get(cpu_block_id, 0)
 
     def is_cached(self, block_id: int) -> bool:
         """Whether a device block is in the prefix cache (used or cached-free)."""
-        return block_id in _shard(self._block_hashes, block_id)
+        return block_id in self._block_hashes
 
-    def can_allocate(self, num_tokens: int, *, reserve: int = 0,
-                     max_new_tokens: int | None = None) -> bool:
-        """Whether a new sequence of `num_tokens` tokens fits with `reserve` blocks still free after
-        it (the scheduler's watermark). Conservative: ignores prefix-cache hits, which can only
-        lower the need. `max_new_tokens` is ignored: paged allocation reserves nothing ahead (the
-        contiguous-reservation baselines in `reservation.py` take the same arguments)."""
-        return -(-num_tokens // self.block_size) + reserve <= self.num_free_blocks
+    def can_allocate(self, token_ids: Sequence[Sequence[int]], *, reserve: int = 0) -> bool:
+        """Whether new sequences holding these tokens (one list per sequence, sharing no block)
+        fit with `reserve` blocks still free after them (the scheduler's watermark): each takes
+        ceil(len / block_size) blocks. Conservative: prefix-cache hits can only lower the need."""
+        bs = self.block_size
+        return sum(-(-len(ids) // bs) for ids in token_ids) + reserve <= self.num_free_blocks
 
     def num_blocks_to_append(self, seq_ids: Sequence[SeqId]) -> int:
         """Blocks one `append` of one token to each sequence takes: a new block when the last is
         full; a copy when it is shared, except for the last of its holders to write."""
-        _check_unique(seq_ids)
+        check_unique(seq_ids)
         num_new, writers = 0, Counter()
         for seq_id in seq_ids:
             seq = self._seq(seq_id, swapped=False)
@@ -212,14 +193,12 @@ class BlockManager:
         return self._distinct_blocks(seq_ids, swapped=True) <= self.num_free_blocks
 
     # ---- operations ----------------------------------------------------------------------------
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], *,
-                 max_new_tokens: int | None = None) -> tuple[BlockManager, int]:
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> tuple[BlockManager, int]:
         """A new running sequence holding `token_ids`. Returns (snapshot, num_cached_tokens): with
         prefix caching, its longest prefix of full blocks found in the cache, at most
         (len - 1) // block_size blocks (the last token is always computed), is mapped onto the
         cached blocks, and its other full blocks enter the cache. Their K/V is not yet written:
-        the engine writes a step's K/V before any attention reads it. `max_new_tokens` is
-        ignored (the same signature as the reservation baselines')."""
+        the engine writes a step's K/V before any attention reads it."""
         if self.has(seq_id):
             raise ValueError(f"cannot allocate sequence {seq_id!r}: it already exists")
         n, bs = len(token_ids), self.block_size
@@ -231,7 +210,7 @@ class BlockManager:
                 hashes.append((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
                 parent = hash(hashes[-1])
             for block_hash in hashes[:(n - 1) // bs]:
-                if (block_id := _shard(self._cached, block_hash).get(block_hash)) is None:
+                if (block_id := self._cached.get(block_hash)) is None:
                     break
                 hits.append(block_id)
         num_needed = -(-n // bs) - sum(1 for b in hits if self.refcount(b) > 0)
@@ -255,7 +234,7 @@ class BlockManager:
         this step), in order: a new block when the last is full; copy-on-write when the last
         block is shared (the copy goes to the sequence that appends first). With prefix caching,
         a block is cached the moment it becomes full."""
-        _check_unique([seq_id for seq_id, _ in appends])
+        check_unique([seq_id for seq_id, _ in appends])
         edit, bs, copy_pairs = _Edit(self), self.block_size, []
         for seq_id, token_id in appends:
             seq = _checked(edit.seqs.get(seq_id), seq_id, swapped=False)
@@ -326,7 +305,7 @@ class BlockManager:
         """Assert every invariant of the module docstring."""
         bs, entries = self.block_size, {False: Counter(), True: Counter()}
         fill = {}  # (swapped, block id) -> (logical index, filled slots)
-        for seq_id, seq in _items(self._seqs).items():
+        for seq_id, seq in self._seqs.to_dict().items():
             assert seq.num_tokens >= 1 and len(seq.block_ids) == -(-seq.num_tokens // bs), (
                 f"sequence {seq_id!r}: {seq.num_tokens} tokens in {len(seq.block_ids)} blocks")
             if self.enable_prefix_caching:
@@ -339,11 +318,11 @@ class BlockManager:
                 seen = fill.setdefault((seq.swapped, block_id), here)
                 assert seen == here, (f"block {block_id} is shared as (logical index, filled) "
                                       f"{seen} and {here} (by sequence {seq_id!r})")
-        _check_pool("device", range(1, self.num_blocks), _items(self._refcounts), entries[False],
+        _check_pool("device", range(1, self.num_blocks), self._refcounts.to_dict(), entries[False],
                     self._free.to_tuple(check=True) + self._evictable.to_tuple(check=True))
-        _check_pool("CPU", range(self.num_cpu_blocks), _items(self._cpu_refcounts), entries[True],
+        _check_pool("CPU", range(self.num_cpu_blocks), self._cpu_refcounts.to_dict(), entries[True],
                     self._free_cpu.to_tuple(check=True))
-        cached, block_hashes = _items(self._cached), _items(self._block_hashes)
+        cached, block_hashes = self._cached.to_dict(), self._block_hashes.to_dict()
         assert self.enable_prefix_caching or not cached, "cache without prefix caching"
         assert block_hashes == {b: h for h, b in cached.items()}, (
             "prefix cache table and its inverse disagree")
@@ -354,18 +333,18 @@ class BlockManager:
             assert filled == bs, f"block {block_id} is cached with {filled}/{bs} slots filled"
 
     def stats(self) -> dict:
-        refcounts = _items(self._refcounts).values()
+        refcounts = self._refcounts.to_dict().values()
         return {
             "num_blocks": self.num_blocks,
             "num_free_blocks": self.num_free_blocks,
             "num_used_blocks": len(refcounts),
-            "num_cached_blocks": len(_items(self._block_hashes)),
+            "num_cached_blocks": len(self._block_hashes.to_dict()),
             "num_cached_free_blocks": self._evictable.size,
             "refcount_histogram": dict(sorted(Counter(refcounts).items())),
             "num_cpu_blocks": self.num_cpu_blocks,
             "num_used_cpu_blocks": self.num_cpu_blocks - self.num_free_cpu_blocks,
             "num_seqs": len(self.seq_ids),
-            "num_swapped_seqs": sum(s.swapped for s in _items(self._seqs).values()),
+            "num_swapped_seqs": sum(s.swapped for s in self._seqs.to_dict().values()),
         }
 
     def __repr__(self) -> str:
@@ -383,11 +362,6 @@ def _checked(seq: _Seq | None, seq_id: SeqId, swapped: bool | None = None) -> _S
     return seq
 
 
-def _check_unique(seq_ids: Sequence[SeqId]) -> None:
-    if len(set(seq_ids)) != len(seq_ids):
-        raise ValueError(f"a sequence appears twice in {list(seq_ids)!r}")
-
-
 def _check_pool(name, block_ids, refcounts, entries, free_block_ids) -> None:
     free = set(free_block_ids)
     assert len(free) == len(free_block_ids), f"{name} free list has duplicates: {free_block_ids}"
@@ -401,165 +375,20 @@ def _check_pool(name, block_ids, refcounts, entries, free_block_ids) -> None:
             f"{name} block {block_id}: refcount {r}, {'' if block_id in free else 'not '}free")
 
 
-# ---- persistent tables -------------------------------------------------------------------------
-# A table is a tuple of dict shards (`_Shards`, which carries its own shard width `bits`), key k
-# living in shard (hash(k) >> bits) % len(shards), bits = SHARD_BITS unless a test asks for less:
-# about capacity / 32 shards, and 32 consecutive ints (block ids, queue positions) share a shard.
-# A snapshot never mutates one. An operation edits a `_Table`, which copies the shard tuple on its
-# first write and a shard on the shard's first write: O(num_blocks / 32 + 32 * entries written)
-# per written table and operation, instead of O(num_blocks).
-SHARD_BITS = 5
-
-
-class _Shards(tuple):
-    """A table's shards, carrying the shard width they were laid out with (never a global: a
-    snapshot stays readable whatever tables are built later)."""
-
-    bits: int
-
-    def __new__(cls, shards, bits: int):
-        self = super().__new__(cls, shards)
-        self.bits = bits
-        return self
-
-    def __reduce__(self):  # copy / pickle
-        return _Shards, (tuple(self), self.bits)
-
-    def index(self, key) -> int:  # noqa: A003 (shadows tuple.index on purpose: the shard of a key)
-        return (hash(key) >> self.bits) % len(self)
-
-
-def _empty_table(capacity: int, bits: int = SHARD_BITS) -> _Shards:
-    # one shared empty dict: a `_Table` copies a shard before writing to it
-    return _Shards(({},) * ((capacity >> bits) + 1), bits)
-
-
-def _shard(shards: _Shards, key) -> dict:
-    return shards[shards.index(key)]
-
-
-def _items(shards: tuple) -> dict:
-    """The whole table as one dict, checking that each key sits in its shard."""
-    merged = {}
-    for i, shard in enumerate(shards):
-        assert all(_shard(shards, k) is shard for k in shard), "table key in the wrong shard"
-        merged.update(shard)
-    return merged
-
-
-class _Table:
-    """Working copy of a table for one operation (dict-like). Reads use the snapshot's shards;
-    the first write copies the shard tuple into a list, and each shard on its first write."""
-
-    __slots__ = ("shards", "copied", "layout")
-
-    def __init__(self, shards: _Shards):
-        self.shards, self.copied, self.layout = shards, set(), shards
-
-    def _shard(self, key) -> dict:
-        return self.shards[self.layout.index(key)]
-
-    def get(self, key, default=None):
-        return self._shard(key).get(key, default)
-
-    def __contains__(self, key) -> bool:
-        return key in self._shard(key)
-
-    def __getitem__(self, key):
-        return self._shard(key)[key]
-
-    def _writable(self, key) -> dict:
-        i = self.layout.index(key)
-        if i not in self.copied:
-            if not self.copied:
-                self.shards = list(self.shards)
-            self.shards[i], _ = dict(self.shards[i]), self.copied.add(i)
-        return self.shards[i]
-
-    def __setitem__(self, key, value) -> None:
-        self._writable(key)[key] = value
-
-    def __delitem__(self, key) -> None:
-        del self._writable(key)[key]
-
-    def pop(self, key):
-        return self._writable(key).pop(key)
-
-    def frozen(self) -> _Shards:
-        return _Shards(self.shards, self.layout.bits) if self.copied else self.shards
-
-
-class _Queue(NamedTuple):
-    """A persistent FIFO of block ids with removal by value: `items` (position -> block id) and
-    `index` (block id -> position) tables; positions only grow, and a removed entry leaves a gap."""
-
-    items: tuple
-    index: tuple
-    head: int  # position of the front (or of a gap before it)
-    tail: int  # position the next block goes to
-    size: int
-
-    @classmethod
-    def of(cls, block_ids, empty: tuple) -> _Queue:
-        edit = _QueueEdit(cls(empty, empty, 0, 0, 0))
-        for block_id in block_ids:
-            edit.append(block_id)
-        return edit.frozen()
-
-    def to_tuple(self, check: bool = False) -> tuple[int, ...]:
-        """Front to back (O(tail - head))."""
-        order = tuple(b for p in range(self.head, self.tail)
-                      if (b := _shard(self.items, p).get(p)) is not None)
-        if check:
-            index = _items(self.index)
-            assert len(order) == self.size == len(index) == len(_items(self.items)), (
-                f"queue of {self.size}: {len(order)} in order, {len(index)} indexed")
-            assert all(_shard(self.items, p).get(p) == b for b, p in index.items()), "bad index"
-        return order
-
-
-class _QueueEdit:
-    """Working copy of a `_Queue` for one operation."""
-
-    def __init__(self, queue: _Queue):
-        self.items, self.index = _Table(queue.items), _Table(queue.index)
-        self.head, self.tail, self.size = queue.head, queue.tail, queue.size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def append(self, block_id: int) -> None:
-        self.items[self.tail], self.index[block_id] = block_id, self.tail
-        self.tail, self.size = self.tail + 1, self.size + 1
-
-    def popleft(self) -> int:
-        while self.head not in self.items:  # skip the gaps of removed entries
-            self.head += 1
-        block_id = self.items.pop(self.head)
-        del self.index[block_id]
-        self.head, self.size = self.head + 1, self.size - 1
-        return block_id
-
-    def remove(self, block_id: int) -> None:
-        del self.items[self.index.pop(block_id)]
-        self.size -= 1
-
-    def frozen(self) -> _Queue:
-        return _Queue(self.items.frozen(), self.index.frozen(), self.head, self.tail, self.size)
-
-
 class _Edit:
-    """Working copy of a snapshot for one batched operation: each table becomes a `_Table` (each
-    queue a `_QueueEdit`) on its first use; `snapshot()` freezes them into a new BlockManager."""
+    """Working copy of a snapshot for one batched operation: an edit of each table and queue (each
+    copies what it writes, on first write); `snapshot()` freezes them into a new BlockManager."""
 
     def __init__(self, base: BlockManager):
-        self._base = base
-
-    def __getattr__(self, name: str):  # first use of a table in this operation
-        value = getattr(self._base, "_" + name)
-        value = _QueueEdit(value) if isinstance(value, _Queue) else _Table(value)
-        setattr(self, name, value)
-        return value
+        self.base = base
+        self.seqs: TableEdit = base._seqs.edit()
+        self.refcounts: TableEdit = base._refcounts.edit()
+        self.free = base._free.edit()
+        self.evictable = base._evictable.edit()
+        self.cached: TableEdit = base._cached.edit()
+        self.block_hashes: TableEdit = base._block_hashes.edit()
+        self.cpu_refcounts: TableEdit = base._cpu_refcounts.edit()
+        self.free_cpu = base._free_cpu.edit()
 
     def allocate_block(self, cpu: bool = False) -> int:
         free = self.free_cpu if cpu else self.free
@@ -601,6 +430,8 @@ class _Edit:
         return hash(block_hash)
 
     def snapshot(self) -> BlockManager:
-        return dataclasses.replace(self._base, **{"_" + name: value.frozen()
-                                                  for name, value in vars(self).items()
-                                                  if name != "_base"})
+        return dataclasses.replace(
+            self.base, _seqs=self.seqs.freeze(), _refcounts=self.refcounts.freeze(), _free=self.free.freeze(),
+            _evictable=self.evictable.freeze(), _cached=self.cached.freeze(),
+            _block_hashes=self.block_hashes.freeze(), _cpu_refcounts=self.cpu_refcounts.freeze(),
+            _free_cpu=self.free_cpu.freeze())

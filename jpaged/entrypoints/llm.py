@@ -15,10 +15,9 @@ from typing import Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from jpaged.engine import EngineConfig, LLMEngine
-from jpaged.loader import LoadedModel
-from jpaged.outputs import RequestOutput
-from jpaged.sampling_params import as_list
+from jpaged.core.sampling_params import as_list
+from jpaged.engine import EngineConfig, LLMEngine, RequestOutput
+from jpaged.weights import LoadedModel
 
 
 class LLM:
@@ -30,10 +29,12 @@ class LLM:
 
     def __init__(self, model: Optional[str] = None, block_size: int = 16, num_blocks: Optional[int] = None,
                  kv_cache_memory: str | int = "1GiB", dtype: str = "float32", *,
-                 loaded: Optional[LoadedModel] = None, **kwargs):
-        """`loaded` reuses an already loaded model (e.g. one `load_model()` shared by several LLMs)."""
+                 loaded: Optional[LoadedModel] = None, runner=None, kv_cache_manager=None, **kwargs):
+        """`loaded` reuses an already loaded model (e.g. one `load_model()` shared by several LLMs);
+        `runner` and `kv_cache_manager` are passed to `LLMEngine`."""
         self.engine = LLMEngine(EngineConfig(model=model, block_size=block_size, num_blocks=num_blocks,
-                                             kv_cache_memory=kv_cache_memory, dtype=dtype, **kwargs), loaded=loaded)
+                                             kv_cache_memory=kv_cache_memory, dtype=dtype, **kwargs),
+                                loaded=loaded, runner=runner, kv_cache_manager=kv_cache_manager)
         self.tokenizer = self.engine.tokenizer
         self._request_counter = itertools.count()
         self.last_run: dict = {}

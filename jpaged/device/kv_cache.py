@@ -21,9 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jpaged.config import ModelConfig
-
-NULL_BLOCK_ID = 0
+from jpaged.device.config import ModelConfig
 
 
 @struct.dataclass
@@ -32,25 +30,13 @@ class KVCache:
     v: jax.Array
 
     @property
-    def num_layers(self) -> int:
-        return self.k.shape[0]
-
-    @property
     def num_blocks(self) -> int:
         return self.k.shape[1]
 
-    @property
-    def block_size(self) -> int:
-        return self.k.shape[2]
-
     @classmethod
-    def create(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32,
-               sharding=None) -> "KVCache":
+    def create(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32) -> "KVCache":
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        make = lambda: jnp.zeros(shape, dtype)
-        if sharding is not None:
-            make = jax.jit(make, out_shardings=sharding)
-        return cls(k=make(), v=make())
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:

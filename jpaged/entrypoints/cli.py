@@ -51,9 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 def convert(args) -> int:
     import pathlib
 
-    from jpaged import checkpoint
     from jpaged.engine import DTYPES
-    from jpaged.loader import load_model
+    from jpaged.weights import checkpoint, load_model
 
     loaded = load_model(args.model, dtype=DTYPES[args.dtype])
     out = pathlib.Path(args.out or pathlib.Path("checkpoints") / loaded.path.stem)
@@ -87,8 +86,8 @@ def read_prompts(args) -> list[str]:
 
 
 def generate(args) -> int:
-    from jpaged.llm import LLM
-    from jpaged.sampling_params import SamplingParams
+    from jpaged.core.sampling_params import SamplingParams
+    from jpaged.entrypoints.llm import LLM
 
     prompts = read_prompts(args)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

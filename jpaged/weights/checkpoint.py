@@ -18,9 +18,9 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from jpaged.config import ModelConfig
-from jpaged.loader import LoadedModel
-from jpaged.params import LayerParams, LlamaParams, cast_params
+from jpaged.device.config import ModelConfig
+from jpaged.device.params import LayerParams, LlamaParams, cast_params
+from jpaged.weights.loader import LoadedModel
 
 FORMAT, VERSION = "jpaged-checkpoint", 1
 MANIFEST = "jpaged.json"

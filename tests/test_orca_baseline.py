@@ -1,50 +1,57 @@
-"""The Orca baselines inside the engine: `OrcaBlockManager` (contiguous buddy reservations behind
-`BlockManager`'s interface) pinned against the buddy allocator, then the real engine on the real
-model: memory management must never change what is generated, only how much runs at once.
+"""The Orca baselines of `bench/baselines/orca.py`: `OrcaKVCacheManager` (contiguous buddy
+reservations behind the `KVCacheManager` protocol) pinned against the buddy allocator, then the real
+engine on the real model: memory management must never change what is generated, only how much
+runs at once. Also the helpers of `bench/throughput.py`.
 """
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from bench import throughput
+from bench.baselines.orca import POLICIES, OrcaKVCacheManager, orca
+from bench.clock import ShapeClock, TimedStep
 from jpaged import SamplingParams
-from jpaged.block_manager import BlockManager, DeviceOps, OutOfBlocksError
-from jpaged.reservation import OrcaBlockManager
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `bench` is a plain directory at the repository root
-    sys.path.insert(0, str(ROOT))
-
-from bench import throughput  # noqa: E402
-
-POLICIES = ("orca_max", "orca_pow2", "orca_oracle")
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.kv_cache_manager import (DeviceOps, ForkingKVCacheManager, KVCacheManager, KVCacheSpec,
+                                          OutOfBlocksError, SwappingKVCacheManager)
 
 
-def orca(policy="orca_oracle", num_blocks=33, max_model_len=256, block_size=16):
+def ids(n: int, start: int = 0) -> tuple[int, ...]:
+    return tuple(range(start, start + n))
+
+
+def manager(policy="orca_oracle", num_blocks=33, max_model_len=256, block_size=16, output_lens=None):
     """Blocks 1..32 form one buddy root of 32 when num_blocks is 33."""
-    return OrcaBlockManager.create(policy=policy, max_model_len=max_model_len, num_blocks=num_blocks,
-                                   block_size=block_size)
+    return OrcaKVCacheManager.create(policy, num_blocks=num_blocks, block_size=block_size,
+                                     max_model_len=max_model_len, output_lens=output_lens)
 
 
 def free_runs(bm):
     return sorted(bm.reservations.buddy.free_runs)
 
 
-# ---------------------------------------------------------------- OrcaBlockManager, pinned
+# ---------------------------------------------------------------- OrcaKVCacheManager, pinned
+
+def test_it_is_a_kv_cache_manager_that_neither_forks_nor_swaps():
+    bm = manager()
+    assert isinstance(bm, KVCacheManager)
+    assert not isinstance(bm, ForkingKVCacheManager) and not isinstance(bm, SwappingKVCacheManager)
+    paged = BlockManager.create(33, 16, num_cpu_blocks=4)
+    assert isinstance(paged, ForkingKVCacheManager) and isinstance(paged, SwappingKVCacheManager)
+
 
 def test_allocate_reserves_a_pinned_contiguous_run_and_tables_cover_tokens_so_far():
-    bm0 = orca("orca_oracle")
-    bm, num_cached = bm0.allocate("a", list(range(20)), max_new_tokens=30)  # 50 slots: 4 blocks
+    bm0 = manager("orca_oracle", output_lens={ids(20): 30, ids(10, 100): 20})
+    bm, num_cached = bm0.allocate("a", ids(20))  # 50 slots: 4 blocks
     assert num_cached == 0 and bm0.seq_ids == () and bm0.num_free_blocks == 32  # old snapshot untouched
     assert bm.block_table("a") == (1, 2) and bm.num_tokens("a") == 20  # run 1..4, tokens in 1..2
     assert bm.slot_mapping("a", 0, 3) == [16, 17, 18] and bm.slot_mapping("a", 18, 20) == [34, 35]
     assert free_runs(bm) == [(5, 4), (9, 8), (17, 16)] and bm.num_free_blocks == 28
     assert [bm.refcount(b) for b in (0, 1, 2, 4, 5)] == [0, 1, 1, 1, 0]  # reserved blocks are used
-    bm, _ = bm.allocate("b", list(range(10)), max_new_tokens=20)  # oracle: 30 slots, 2 blocks
+    bm, _ = bm.allocate("b", ids(10, 100))  # oracle: 30 slots, 2 blocks
     assert bm.block_table("b") == (5,) and free_runs(bm) == [(7, 2), (9, 8), (17, 16)]
     with pytest.raises(ValueError, match="already exists"):
         bm.allocate("a", [1])
@@ -55,27 +62,27 @@ def test_allocate_reserves_a_pinned_contiguous_run_and_tables_cover_tokens_so_fa
     assert set(BlockManager.create(33, 16).stats()) <= set(s)  # BlockManager's keys, and more
 
 
-@pytest.mark.parametrize("policy, prompt, max_new, run", [
+@pytest.mark.parametrize("policy, prompt, output, run", [
     ("orca_max", 3, 2, 16),        # the model's length, 256 slots, whatever the request
     ("orca_pow2", 20, 30, 4),      # 20 + 32 = 52 slots: 4 blocks
     ("orca_pow2", 20, 33, 8),      # 20 + 64 = 84 slots: 6 blocks -> a run of 8
     ("orca_oracle", 20, 30, 4),    # 50 slots: 4 blocks
     ("orca_oracle", 40, 60, 8),    # 100 slots: 7 blocks -> a run of 8
-    ("orca_oracle", 40, None, 16),  # no output budget: up to the model's length
+    ("orca_oracle", 40, None, 16),  # the oracle knows nothing of it: up to the model's length
     ("orca_oracle", 250, 100, 16),  # capped at max_model_len: the engine stops a sequence there
-    ("orca_oracle", 300, 10, 16),   # a block-rounded length past the model's: capped, no error
+    ("orca_oracle", 300, 10, 16),   # a length past the model's: capped, no error
 ])
-def test_reservation_size_per_policy(policy, prompt, max_new, run):
-    bm = orca(policy)
-    assert bm.reservation_blocks(prompt, max_new) == run
+def test_reservation_size_per_policy(policy, prompt, output, run):
+    bm = manager(policy, output_lens={} if output is None else {ids(prompt): output})
+    assert bm.reservation_blocks(ids(prompt)) == run
     if prompt < 256:
-        bm, _ = bm.allocate("s", list(range(prompt)), max_new_tokens=max_new)
+        bm, _ = bm.allocate("s", ids(prompt))
         assert bm.reservations.buddy.allocation("s")[1] == run
         bm.check_invariants()
 
 
 def test_append_stays_inside_the_reservation_without_device_work():
-    bm, _ = orca("orca_oracle").allocate("a", list(range(15)), max_new_tokens=3)  # 18 slots: 2 blocks
+    bm, _ = manager("orca_oracle", output_lens={ids(15): 3}).allocate("a", ids(15))  # 18 slots: 2 blocks
     assert bm.num_blocks_to_append(["a"]) == 0
     bm, ops = bm.append([("a", 7)])
     assert ops == DeviceOps() and bm.num_tokens("a") == 16 and bm.block_table("a") == (1,)
@@ -85,7 +92,7 @@ def test_append_stays_inside_the_reservation_without_device_work():
     bm, _ = bm.append([("a", 9)])  # 18 tokens: the reservation is full
     # a sequence that would outgrow its reservation asks for more than the pool: the scheduler
     # then ends it with finish_reason="length"
-    assert bm.num_blocks_to_append(["a"]) > bm.num_free_blocks and not bm.can_append(["a"])
+    assert bm.num_blocks_to_append(["a"]) > bm.num_free_blocks
     with pytest.raises(OutOfBlocksError, match="outgrow"):
         bm.append([("a", 10)])
     with pytest.raises(ValueError, match="twice"):
@@ -94,48 +101,46 @@ def test_append_stays_inside_the_reservation_without_device_work():
 
 
 def test_admission_refused_when_no_run_fits_though_enough_blocks_are_free():
-    bm = orca("orca_oracle")
-    for name in "abcd":  # 100 + 28 = 128 slots: 8 blocks each, filling blocks 1..32
-        bm, _ = bm.allocate(name, list(range(100)), max_new_tokens=28)
+    lens = {ids(100, k): 28 for k in range(4)} | {ids(200): 50}
+    bm = manager("orca_oracle", output_lens=lens)
+    for k, name in enumerate("abcd"):  # 100 + 28 = 128 slots: 8 blocks each, filling blocks 1..32
+        bm, _ = bm.allocate(name, ids(100, k))
     assert [bm.block_table(n)[0] for n in "abcd"] == [1, 9, 17, 25] and bm.num_free_blocks == 0
     bm = bm.free(["a", "c"])  # 16 blocks free, in two runs of 8 that are not buddies
     assert free_runs(bm) == [(1, 8), (17, 8)] and bm.num_free_blocks == 16
-    assert not bm.can_allocate(200, max_new_tokens=50)  # 250 slots: 16 blocks, no run of 16
+    assert not bm.can_allocate([ids(200)])  # 250 slots: 16 blocks, no run of 16
     with pytest.raises(OutOfBlocksError, match="no free run of 16"):
-        bm.allocate("e", list(range(200)), max_new_tokens=50)
+        bm.allocate("e", ids(200))
     paged = BlockManager.create(17, 16)  # the same 16 free blocks, paged: it fits
-    assert paged.can_allocate(200, max_new_tokens=50)
-    assert bm.can_allocate(100, max_new_tokens=28)  # a run of 8 does fit
+    assert paged.can_allocate([ids(200)])
+    assert bm.can_allocate([ids(100)])  # a run of 8 does fit
+    assert not bm.can_allocate([ids(100), ids(100, 1), ids(100, 2)])  # three runs of 8 do not
     bm = bm.free(["b"])  # 1..8 and 9..16 merge
-    assert free_runs(bm) == [(1, 16), (17, 8)] and bm.can_allocate(200, max_new_tokens=50)
+    assert free_runs(bm) == [(1, 16), (17, 8)] and bm.can_allocate([ids(200)])
     bm = bm.free(["d"])
     assert free_runs(bm) == [(1, 32)] and bm.seq_ids == ()
     bm.check_invariants()
 
 
-def test_orca_max_holds_model_length_runs_and_ignores_the_watermark():
-    bm = orca("orca_max", num_blocks=65)  # 64 blocks: four runs of 16 (256 tokens)
+def test_orca_max_holds_model_length_runs_and_honours_the_reserve_asked_for():
+    bm = manager("orca_max", num_blocks=65)  # 64 blocks: four runs of 16 (256 tokens)
     for i in range(4):
-        assert bm.can_allocate(5, reserve=8, max_new_tokens=5)  # the reservation covers growth
-        bm, _ = bm.allocate(i, [1] * 5, max_new_tokens=5)
+        assert bm.can_allocate([[1] * 5])  # the benchmarks ask for no watermark: a run covers growth
+        assert not bm.can_allocate([[1] * 5], reserve=64 - 16 * i - 15)
+        bm, _ = bm.allocate(i, [1] * 5)
     assert [bm.block_table(i) for i in range(4)] == [(1,), (17,), (33,), (49,)]
-    assert bm.num_free_blocks == 0 and not bm.can_allocate(1, max_new_tokens=1)
+    assert bm.num_free_blocks == 0 and not bm.can_allocate([[1]])
     bm = bm.free([0, 1, 2, 3])
     assert bm.num_free_blocks == 64
     bm.check_invariants()
 
 
-def test_sharing_swapping_and_bad_arguments_raise_clearly():
-    bm, _ = orca().allocate("a", [1, 2, 3], max_new_tokens=4)
-    for call in (lambda: bm.fork("a", "b"), lambda: bm.swap_out(["a"]), lambda: bm.swap_in(["a"]),
-                 lambda: bm.can_swap_out(["a"]), lambda: bm.can_swap_in(["a"])):
-        with pytest.raises(NotImplementedError, match="kv_policy='paged'"):
-            call()
-    with pytest.raises(NotImplementedError, match="prefix caching"):
-        OrcaBlockManager.create(policy="orca_max", max_model_len=64, num_blocks=9, block_size=16,
-                                enable_prefix_caching=True)
+def test_prefix_caching_and_bad_arguments_are_refused_clearly():
+    bm, _ = manager().allocate("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="no prefix caching"):
+        orca("orca_max")(KVCacheSpec(num_blocks=9, block_size=16, enable_prefix_caching=True, max_model_len=64))
     with pytest.raises(ValueError):
-        OrcaBlockManager.create(policy="orca_best", max_model_len=64, num_blocks=9, block_size=16)
+        manager("orca_best")
     with pytest.raises(KeyError):
         bm.block_table("zz")
     with pytest.raises(IndexError):
@@ -184,17 +189,33 @@ def paged_run(make_llm):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_orca_policies_generate_exactly_what_paged_does(make_llm, paged_run, policy):
     paged_llm, prompts, paged_tokens, paged_peak = paged_run
-    llm = make_llm(num_blocks=17, max_model_len=64, kv_policy=policy)
-    assert isinstance(llm.engine.scheduler.block_manager, OrcaBlockManager)
-    # Same pool size, same kernels: reuse the paged engine's runner (its KV pool and compiled
-    # step shapes) so that only the block manager differs, and nothing compiles twice.
-    llm.engine.runner = paged_llm.engine.runner
+    # Same pool, same kernels: the paged engine's runner (its KV pool and compiled step shapes) is
+    # reused, so that only the KV cache manager differs and nothing compiles twice. The oracle knows
+    # every request's output length; a reservation covers its growth: no watermark.
+    oracle = {tuple(p): n for p, n in zip(prompts, MAX_TOKENS)}
+    llm = make_llm(num_blocks=17, max_model_len=64, watermark=0.0, runner=paged_llm.engine.runner,
+                   kv_cache_manager=orca(policy, oracle))
+    assert isinstance(llm.engine.scheduler.block_manager, OrcaKVCacheManager)
     tokens, peak, stats = run_engine(llm, prompts)
     assert tokens == paged_tokens
     assert stats["num_preemptions"] == 0  # reservations cover all growth
     assert peak <= paged_peak
     if policy == "orca_max":  # four 64-token runs in 16 blocks; paged runs all six at first
         assert peak == 4 < paged_peak == 6
+
+
+def test_the_engine_refuses_what_a_manager_cannot_do(make_llm, paged_run):
+    paged_llm, prompts, _, _ = paged_run
+    llm = make_llm(num_blocks=17, max_model_len=64, runner=paged_llm.engine.runner, kv_cache_manager=orca("orca_max"))
+    for params in (SamplingParams(n=2), SamplingParams(beam_width=2)):
+        with pytest.raises(ValueError, match="cannot share blocks"):
+            llm.engine.add_request("x", prompts[0], params)
+    assert not llm.engine.has_unfinished()
+    with pytest.raises(ValueError, match="no CPU swap space: use preemption_mode='recompute'"):
+        make_llm(num_blocks=17, max_model_len=64, runner=paged_llm.engine.runner,
+                 kv_cache_manager=orca("orca_max"), preemption_mode="swap", swap_space=0.001)
+    with pytest.raises(ValueError, match="its num_blocks is 17, the engine's 18"):
+        make_llm(num_blocks=18, max_model_len=64, runner=paged_llm.engine.runner)
 
 
 # ---------------------------------------------------------------- bench/throughput.py helpers
@@ -211,7 +232,8 @@ def test_metrics_and_sustained_rate_on_a_hand_made_run():
     w = throughput.make_workload("alpaca_like", 2, seed=0, scale=1)
     (a, b) = w.requests
     step = lambda finished, running, tokens, used, backlogged=False: throughput.Step(  # noqa: E731
-        ("decode", 2, 4), 1.0, 2.0, 0.5, 0.0, 1.0, 2, 0, 0, running, tokens, used, backlogged, finished)
+        "decode", TimedStep(("decode",), 0.5, 0.5), 2.0, 0.0, 1.0, 2, 0, 0, running, tokens, used, backlogged,
+        finished)
     steps = [step((), 2, 30, 64), step(("0",), 1, 20, 32, True), step(("1",), 0, 0, 0)]
     m = throughput.metrics(w, steps, [0.0, 1.0, 3.0], [1.0, 2.0, 1.0], pool_slots=128)
     assert m["makespan_s"] == 4.0 and m["requests_per_s"] == 0.5
@@ -226,13 +248,13 @@ def test_metrics_and_sustained_rate_on_a_hand_made_run():
 
 def test_offline_recost_charges_each_shape_its_median_or_its_fastest_run():
     bench = object.__new__(throughput.Bench)  # the cost table alone: no model
-    bench.clock, bench.pool_slots = "cpu", 128
-    shape = ("decode", 2, 4)
-    bench.device_times = {shape: [(9.0, 0.5), (9.0, 0.2), (9.0, 0.3)]}  # (wall, cpu) per run
+    bench.clock, bench.pool_slots, bench.shapes = "cpu", 128, ShapeClock(time="cpu")
+    shape = ("decode", (2, 4), ())
+    bench.shapes.runs[shape] = [(9.0, 0.5), (9.0, 0.2), (9.0, 0.3)]  # (wall, cpu) per run
     w = throughput.make_workload("alpaca_like", 2, seed=0, scale=1)
-    # host CPU 0.6 s per step (cpu 1.0 minus 0.4 in the model step); the model step: median 0.3, min 0.2
-    steps = [throughput.Step(shape, 1.0, 2.0, 0.4, 0.0, 0.0, 2, 0, 0, 1, 10, 16, False, finished)
-             for finished in (("0",), ("1",))]
+    # host CPU 0.6 s per step (0.4 measured in the model step); the model step: median 0.3, min 0.2
+    steps = [throughput.Step("decode", TimedStep(shape, 0.6, 0.4), 2.0, 0.0, 0.0, 2, 0, 0, 1, 10, 16, False,
+                             finished) for finished in (("0",), ("1",))]
     assert bench.step_cost(steps[0]) == pytest.approx(0.9)
     assert bench.step_cost(steps[0], "min") == pytest.approx(0.8)
     assert bench.recost(w, steps)["makespan_s"] == pytest.approx(1.8)

@@ -10,8 +10,11 @@ re-prefills prompt + generated tokens) or by swap (its blocks move to the CPU po
 before any new admission). A group that cannot grow even when running alone is finished with
 `finish_reason="length"` rather than preempted forever.
 
-The scheduler owns the `BlockManager` snapshot (replaced, never mutated) and the queues. It hands
-the device side `Row`s (numpy-friendly lists) and the `DeviceOps` a step implies.
+The scheduler owns the KV cache manager snapshot (`jpaged.core.kv_cache_manager`: replaced, never
+mutated), the queues, and the lifecycle of every group it holds: status, timestamps, which
+sequences a group holds (`fork_seq`, `set_beams`) and each sequence's `finish_reason` (`finish_seq`,
+`abort`, and "length" for a group that cannot grow alone). It hands the device side `Row`s
+(numpy-friendly lists) and the `DeviceOps` a step implies.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import math
 import time
 from typing import Optional, Sequence as Seq
 
-from jpaged.block_manager import BlockManager, DeviceOps
-from jpaged.sequence import GroupStatus, Sequence, SequenceGroup
+from jpaged.core.kv_cache_manager import DeviceOps, KVCacheManager, SwappingKVCacheManager
+from jpaged.core.sequence import GroupStatus, Sequence, SequenceGroup
 
 logger = logging.getLogger("jpaged")
 
@@ -37,6 +40,8 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of blocks kept free at admission, against immediate preemption
 
     def __post_init__(self):
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', not {self.preemption_mode!r}")
         if self.max_num_seqs < 1:
@@ -74,7 +79,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, config: SchedulerConfig):
+    def __init__(self, block_manager: KVCacheManager, config: SchedulerConfig):
+        if config.preemption_mode == "swap" and not isinstance(block_manager, SwappingKVCacheManager):
+            raise ValueError(f"{type(block_manager).__name__} has no CPU swap space: use "
+                             "preemption_mode='recompute'")
         self.block_manager = block_manager
         self.config = config
         self.waiting: collections.deque[SequenceGroup] = collections.deque()
@@ -93,32 +101,53 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def abort(self, request_id: str) -> Optional[SequenceGroup]:
-        """Removes the request from whichever queue holds it and returns all its blocks."""
+        """Removes the request from whichever queue holds it, returns all its blocks and finishes
+        its live sequences with "abort"."""
         for queue in (self.waiting, self.running, self.swapped):
             for group in list(queue):
                 if group.request_id == request_id:
                     queue.remove(group)
                     self._release(group)
-                    group.status = GroupStatus.FINISHED
                     for seq in group.live_seqs:
                         seq.finish_reason = "abort"
+                    self._finished(group)
                     return group
         return None
 
-    def free_seq(self, seq: Sequence) -> None:
-        """Releases the blocks of one sequence (finished sample, pruned beam)."""
-        if self.block_manager.has(seq.seq_id):
-            self.block_manager = self.block_manager.free([seq.seq_id])
+    def finish_seq(self, seq: Sequence, reason: str) -> None:
+        """Ends one sequence of a running group ("stop" or "length") and frees its blocks."""
+        seq.finish_reason = reason
+        self._free_seq(seq)
 
-    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+    def fork_seq(self, parent: Sequence, child_seq_id: int) -> Sequence:
+        """A new sequence sharing the parent's history and blocks (not yet a member of a group:
+        see `set_beams`)."""
+        child = parent.fork(child_seq_id)
         self.block_manager = self.block_manager.fork(parent.seq_id, child.seq_id)
+        return child
+
+    def set_beams(self, group: SequenceGroup, seqs: list[Sequence]) -> None:
+        """A beam group's running sequences become `seqs` (forked children included, best first);
+        the sequences that leave it are freed."""
+        kept = {seq.seq_id for seq in seqs}
+        for seq in group.seqs:
+            if seq.seq_id not in kept:
+                self._free_seq(seq)
+        group.seqs = list(seqs)
 
     def finish_group(self, group: SequenceGroup) -> None:
         """Called by the engine when a running group has no live sequence left."""
         self._release(group)
         self.running.remove(group)
+        self._finished(group)
+
+    def _finished(self, group: SequenceGroup) -> None:
         group.status = GroupStatus.FINISHED
         group.finished_time = time.monotonic()
+
+    def _free_seq(self, seq: Sequence) -> None:
+        if self.block_manager.has(seq.seq_id):
+            self.block_manager = self.block_manager.free([seq.seq_id])
 
     def _release(self, group: SequenceGroup) -> None:
         held = [s.seq_id for s in group.seqs if self.block_manager.has(s.seq_id)]
@@ -152,18 +181,13 @@ class Scheduler:
             if groups and num_tokens + sum(s.num_tokens for s in to_prefill) > self.config.max_num_batched_tokens:
                 break
             idle = not (self.running or groups)
-            max_new_tokens = group.params.max_tokens - len(to_prefill[0].output_token_ids)
-            bs = self.block_manager.block_size
-            need = (to_prefill[0].num_tokens if len(to_prefill) == 1  # sequences don't share blocks:
-                    else sum(-(-s.num_tokens // bs) * bs for s in to_prefill))  # round each up to blocks
-            if not self.block_manager.can_allocate(need, reserve=0 if idle else watermark,
-                                                   max_new_tokens=max_new_tokens):
+            if not self.block_manager.can_allocate([s.token_ids for s in to_prefill],
+                                                   reserve=0 if idle else watermark):
                 break
             self.waiting.popleft()
             cached = []
             for seq in to_prefill:
-                self.block_manager, num_cached = self.block_manager.allocate(seq.seq_id, seq.token_ids,
-                                                                             max_new_tokens=max_new_tokens)
+                self.block_manager, num_cached = self.block_manager.allocate(seq.seq_id, seq.token_ids)
                 cached.append(num_cached)
             if fresh:
                 for seq in seqs[1:]:
@@ -203,8 +227,7 @@ class Scheduler:
                                    "finishing it with finish_reason='length'", group.request_id,
                                    self.block_manager.num_blocks)
                     for seq in group.live_seqs:
-                        seq.finish_reason = "length"
-                        self.free_seq(seq)
+                        self.finish_seq(seq, "length")
                     self.finish_group(group)
                     finished.append(group)
                 continue
@@ -271,7 +294,7 @@ class Scheduler:
 
     # ---- block accounting --------------------------------------------------------------------
 
-    def _append_demand(self, group: SequenceGroup, bm: Optional[BlockManager] = None) -> int:
+    def _append_demand(self, group: SequenceGroup, bm: Optional[KVCacheManager] = None) -> int:
         """Blocks one more token for every live sequence takes (new blocks and copy-on-writes)."""
         return (bm or self.block_manager).num_blocks_to_append([s.seq_id for s in group.live_seqs])
 

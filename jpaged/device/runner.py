@@ -3,8 +3,10 @@
 
 Step functions are pure, `step(params, kv_cache, inputs) -> (kv_cache, logits)`, jitted with the
 cache donated, so a step writes only its new tokens' K/V into the pool. Every distinct padded shape
-is compiled ahead of time once (`jit(...).lower(...).compile()`), so compilations are counted and
-their time kept out of throughput figures.
+is compiled ahead of time once (`jit(...).lower(...).compile()`) and its new executable run once
+untimed (every executable here is idempotent: a step rewrites the same K/V into the same slots),
+so compilations are counted and their time, first run included, kept out of timings. Each timed
+run is logged as a `DeviceCall` (`take_calls()`), which the engine hands to its step observers.
 """
 
 from __future__ import annotations
@@ -12,19 +14,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import types
 from typing import Sequence as Seq
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.batch import ModelInputs, bucket, pack_rows, row_bucket
-from jpaged.config import ModelConfig
-from jpaged.kv_cache import KVCache
-from jpaged.model import compute_logits, forward
-from jpaged.params import LlamaParams
-from jpaged.sampler import SamplingInputs, sample
-from jpaged.scheduler import Row
+from jpaged.device.batch import ModelInputs, bucket, pack_rows, row_bucket
+from jpaged.device.config import ModelConfig
+from jpaged.device.kv_cache import KVCache
+from jpaged.device.model import compute_logits, forward
+from jpaged.device.params import LlamaParams
+from jpaged.device.sampler import SamplingInputs, sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,30 @@ class SampleRow:
     seed: int
     sample_index: int
     step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceCall:
+    """One timed run of a compiled executable.
+
+    name: "prefill_step", "decode_step", "sample", "copy_blocks", "read_blocks" or "write_blocks".
+    shape: the shapes and dtypes of its array arguments (with its static options), which key its
+      executable: calls of the same name and shape run the same executable.
+    seconds / cpu_seconds: wall and process CPU time of the run, synchronised (block_until_ready).
+    compile_seconds / compile_cpu_seconds: wall and process CPU time spent building its executable
+      for this call, its untimed first run included (0.0 when the executable already existed).
+    """
+
+    name: str
+    shape: tuple
+    seconds: float
+    cpu_seconds: float
+    compile_seconds: float = 0.0
+    compile_cpu_seconds: float = 0.0
+
+
+# executable name -> position of the KV cache it takes donated (and returns, first if several outputs)
+_DONATED = {"prefill_step": 1, "decode_step": 1, "copy_blocks": 0, "write_blocks": 0}
 
 
 def _step(params, cache, inputs, *, config, backend):
@@ -61,18 +87,17 @@ def _write_blocks(cache, block_ids, k_blocks, v_blocks):
 class ModelRunner:
     """Holds the parameters and the KV cache on the device; packs rows into bucketed step inputs.
 
-    Shape buckets (`jpaged.batch`): powers of two, with finer steps for the pairs, a prefill's
-    packed tokens and a decode step's rows. Attention tiles: prefill query tiles of `prefill_q_tile`
-    tokens and key tiles of about `prefill_key_tile`; decode query tiles of one token and key tiles
-    of about `decode_key_tile` (key tiles are whole blocks). The defaults were the fastest measured
-    on a 2-core XLA CPU. Decode: a row's last key tile is mostly padding that is gathered all the
-    same (gathers write their output, and writes are this CPU's scarce bandwidth), so on the mixed
-    contexts of the 120 vs_peers requests tiles of 64 beat 128 by 13% end to end (32: 12%, 16: 2%).
-    `num_compilations` counts every executable built (steps, sampler, block ops).
+    Shape buckets (`jpaged.device.batch`): powers of two, with finer steps for the pairs, a
+    prefill's packed tokens and a decode step's rows. Attention tiles: prefill query tiles of
+    `prefill_q_tile` tokens and key tiles of about `prefill_key_tile`; decode query tiles of one
+    token and key tiles of about `decode_key_tile` (key tiles are whole blocks; a row's last one is
+    mostly padding, gathered all the same). The defaults were the fastest measured on the XLA CPU
+    path (`bench/README.md`). `num_compilations` counts every executable built (steps, sampler,
+    block ops); `num_blocks` and `num_cpu_blocks` are the sizes of the device and CPU pools.
     """
 
     def __init__(self, config: ModelConfig, params: LlamaParams, *, num_blocks: int, block_size: int,
-                 dtype=jnp.float32, backend, num_cpu_blocks: int = 0, cache_sharding=None,
+                 dtype=jnp.float32, backend, num_cpu_blocks: int = 0,
                  prefill_q_tile: int = 64, prefill_key_tile: int = 128, decode_key_tile: int = 64):
         if params.lm_head is None:  # tied embeddings: keep a [hidden, vocab] copy so the LM head is a plain
             params = params.replace(lm_head=jnp.asarray(params.embed.T))  # matmul (no transpose per step)
@@ -81,7 +106,7 @@ class ModelRunner:
         self.prefill_q_tile = prefill_q_tile
         self.prefill_k_tile = block_size * max(1, prefill_key_tile // block_size)  # whole blocks
         self.decode_k_tile = block_size * max(1, decode_key_tile // block_size)
-        self.cache = KVCache.create(config, num_blocks, block_size, dtype, sharding=cache_sharding)
+        self.cache = KVCache.create(config, num_blocks, block_size, dtype)
         cpu_shape = (config.num_layers, num_cpu_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.cpu_k = np.zeros(cpu_shape, np.dtype(dtype))
         self.cpu_v = np.zeros(cpu_shape, np.dtype(dtype))
@@ -95,40 +120,74 @@ class ModelRunner:
             "sample": sample,
         }
         self._executables: dict = {}
-        self.compile_seconds = 0.0
+        self._calls: list[DeviceCall] = []
+        self.compile_seconds = 0.0  # building executables, their untimed first runs included
         self.device_seconds = 0.0  # time inside compiled executables, synchronised (the rest of a step is host time)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.cpu_k.shape[1]
 
     @property
     def num_compilations(self) -> int:
         return len(self._executables)
 
+    @property
+    def executables(self) -> dict:
+        """Every executable built so far, by (name, static options, argument shapes): read-only."""
+        return types.MappingProxyType(self._executables)
+
+    def take_calls(self) -> tuple[DeviceCall, ...]:
+        """The timed executable runs since the last call, oldest first."""
+        calls, self._calls = tuple(self._calls), []
+        return calls
+
     def _run(self, name: str, *args, **static):
-        key = (name, tuple(static.items()),
-               tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args) if hasattr(x, "shape")))
-        executable = self._executables.get(key)
+        """Runs executable `name` on `args`, building it first if this shape is new. A new
+        executable runs once untimed before the timed run: every executable here is idempotent,
+        and the cache it takes donated (`_DONATED`) is threaded from the first run to the second."""
+        shape = (tuple(static.items()),
+                 tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args) if hasattr(x, "shape")))
+        executable = self._executables.get((name, shape))
+        compile_seconds = compile_cpu_seconds = 0.0
         if executable is None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             executable = self._jits[name].lower(*args, **static).compile()
-            self.compile_seconds += time.perf_counter() - t0
-            self._executables[key] = executable
-        t0 = time.perf_counter()
+            self._executables[(name, shape)] = executable
+            out = jax.block_until_ready(executable(*args))
+            if name in _DONATED:  # the donated cache was consumed: the timed run takes the new one
+                i = _DONATED[name]
+                args = args[:i] + (out[0] if isinstance(out, tuple) else out,) + args[i + 1:]
+            compile_seconds, compile_cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+        t0, c0 = time.perf_counter(), time.process_time()
         out = jax.block_until_ready(executable(*args))
-        self.device_seconds += time.perf_counter() - t0
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+        self.compile_seconds += compile_seconds
+        self.device_seconds += seconds
+        self._calls.append(DeviceCall(name, shape, seconds, cpu_seconds, compile_seconds, compile_cpu_seconds))
         return out
 
     # ---- model steps -------------------------------------------------------------------------
 
-    def make_inputs(self, rows: Seq[Row], *, decode: bool) -> ModelInputs:
-        """Packs `rows` (see `jpaged.batch`): decode rows are one token each, prefill rows any number."""
+    def make_inputs(self, rows: Seq, *, decode: bool) -> ModelInputs:
+        """Packs `rows` (see `jpaged.device.batch.pack_rows`; the scheduler's `Row`s): decode rows are
+        one token each, prefill rows any number."""
         if decode and any(len(r.token_ids) != 1 for r in rows):
             raise ValueError("a decode row computes exactly one token")
         if decode:
             return pack_rows(rows, block_size=self.block_size, q_tile=1, k_tile=self.decode_k_tile)
         return pack_rows(rows, block_size=self.block_size, q_tile=self.prefill_q_tile, k_tile=self.prefill_k_tile)
 
-    def execute(self, rows: Seq[Row], *, decode: bool) -> jax.Array:
+    def execute(self, rows: Seq, *, decode: bool) -> jax.Array:
         """Runs one step over `rows`; returns the logits f32[padded rows, vocab] (on the device)."""
-        inputs = self.make_inputs(rows, decode=decode)
+        return self.run_step(self.make_inputs(rows, decode=decode), decode=decode)
+
+    def run_step(self, inputs: ModelInputs, *, decode: bool) -> jax.Array:
+        """Runs one step over packed `inputs` (`make_inputs`); returns the logits as `execute`."""
         name = "decode_step" if decode else "prefill_step"
         self.cache, logits = self._run(name, self.params, self.cache, inputs)
         return logits

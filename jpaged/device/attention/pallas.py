@@ -13,7 +13,7 @@ import dataclasses
 
 import pallas_kernels
 
-from jpaged.attention import xla_attend
+from jpaged.device.attention.xla import xla_attend
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """GPU-less checks of the kernels' Triton code: lower to Triton IR, compile to PTX, read ptxas stats.
 
-A development aid for machines without a GPU (all of this project's CPU machines):
+A development aid for machines without a GPU (kept out of the shipped `pallas_kernels`: it uses
+private JAX API, `jax._src`, and runs `ptxas`):
 
+0. ``lower_for_cuda(fn, *args)`` lowers ``fn`` for CUDA on a GPU-less machine (``abstract_gpu``).
 1. ``triton_modules(fn, *args)`` lowers ``fn`` for CUDA (as on a GPU machine, via an abstract H200
    device) and captures the Triton IR that the Pallas Triton lowering hands to XLA, with each
    kernel's ``num_warps`` / ``num_stages``.
@@ -13,7 +15,7 @@ XLA compiles the same IR with its own Triton fork, so this is strong evidence, n
 kernel compiles on the GPU, and the numbers are close to, not equal to, what the GPU run gets.
 Uses private JAX API (``jax._src``); returns nothing where that API differs.
 
-    python -m pallas_kernels._triton_check      # a table for the default shapes
+    python bench/triton_check.py      # a table for the default shapes (needs `pip install triton`)
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _compat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,36 @@ class TritonModule:
     ir: str  # Triton IR (MLIR text)
     num_warps: int
     num_stages: int
+
+
+def abstract_gpu(device_kind: str = "NVIDIA H200"):
+    """Context in which a CPU-only process can *lower* a Triton ``pallas_call`` for CUDA.
+
+    ``jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))`` runs the Pallas Triton
+    lowering (jaxpr -> Triton IR, with the MLIR verifier) without a GPU; the lowering asks for
+    the GPU's compute capability, which an abstract mesh with an abstract device supplies.
+    Uses private JAX API (present in 0.10.2 and 0.11.2); returns ``None`` where it is absent.
+    Tests use it to check that the kernels are Triton-lowerable; compiling the Triton IR to PTX
+    still needs a GPU.
+    """
+    try:
+        from jax._src import mesh as mesh_lib
+
+        device = mesh_lib.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+        mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=device)
+        return jax.sharding.use_abstract_mesh(mesh)
+    except Exception:  # noqa: BLE001 - any API drift means "not available here"
+        return None
+
+
+def lower_for_cuda(fn, *args, **kwargs) -> str | None:
+    """StableHLO text of ``fn`` lowered for CUDA on this (possibly GPU-less) machine, or None."""
+    ctx = abstract_gpu()
+    if ctx is None:
+        return None
+    with ctx:
+        lowered = jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+    return lowered.as_text()
 
 
 def triton_modules(fn, *args, **kwargs) -> list[TritonModule]:
@@ -55,7 +86,7 @@ def triton_modules(fn, *args, **kwargs) -> list[TritonModule]:
 
     registration.lowering.lower_jaxpr_to_triton_module = spy
     try:
-        text = _compat.lower_for_cuda(fn, *args, **kwargs)
+        text = lower_for_cuda(fn, *args, **kwargs)
     finally:
         registration.lowering.lower_jaxpr_to_triton_module = original
     if text is None:

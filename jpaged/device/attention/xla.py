@@ -1,22 +1,10 @@
-"""The attention seam: how the model writes new K/V into the paged pool and reads it back.
+"""The XLA attention backend: paged attention as plain XLA ops, the engine's CPU fast path.
 
-A backend is static configuration (frozen, hashable) with three operations on the stacked pool
-`f[num_layers, num_blocks, block_size, num_kv_heads, head_dim]` and a traced `layer` index:
-
-  write_kv(k_pool, v_pool, layer, k, v, slot_mapping)   -> (k_pool, v_pool)
-  attend(q, k_pool, v_pool, layer, inputs, scale)       -> out
-  copy_blocks(k_pool, v_pool, pairs)                     -> (k_pool, v_pool)
-
-Query layout: `q f[N, num_heads, head_dim]`, the packed new tokens of a `jpaged.batch.ModelInputs`;
-the token at absolute position p of a row may attend to every cached position <= p of that row.
-This one rule covers decode (one token per row), prefill and prefill on top of cached context
-(prefix caching, recompute).
-
-`XLABackend` is the CPU fast path: it follows the inputs' `AttentionPlan` (query tile x key tile
-pairs, partial softmaxes merged per query tile), so each row's cost is its own context length.
-`PallasBackend` runs the kernels of `pallas_kernels` (compiled on a GPU, `interpret=True` on a
-CPU for tests). Both compute exact softmax attention; only the storage layout is paged.
-`gather_attend` is the plain reference (one padded gather of every row's block table).
+`xla_attend` follows the step inputs' `AttentionPlan` (`jpaged.device.batch`): query tile x key
+tile pairs, each a partial softmax over key blocks gathered from the pool, merged per query tile,
+so each row's cost is its own context length. `xla_write_kv` scatters a step's new K/V into their
+slots; `xla_copy_blocks` does copy-on-write copies. `gather_attend` is the plain reference (one
+padded gather of every row's block table) that the tests hold `xla_attend` to.
 """
 
 from __future__ import annotations
@@ -161,16 +149,3 @@ class XLABackend:
 
     def copy_blocks(self, k_pool, v_pool, pairs):
         return xla_copy_blocks(k_pool, v_pool, pairs)
-
-
-def get_backend(name: str = "auto", *, interpret: bool = False):
-    """'auto' picks the Pallas kernels on a GPU and the XLA path elsewhere."""
-    if name == "auto":
-        name = "pallas" if jax.default_backend() == "gpu" else "xla"
-    if name == "xla":
-        return XLABackend()
-    if name == "pallas":
-        from jpaged.pallas_backend import PallasBackend
-
-        return PallasBackend(interpret=interpret)
-    raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'xla', not {name!r}")

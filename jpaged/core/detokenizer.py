@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence as Seq
 
-from jpaged.sequence import Sequence
+from jpaged.core.sequence import Sequence
 
 
 def append_text(tokenizer, seq: Sequence) -> str:

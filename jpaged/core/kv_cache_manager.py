@@ -1,0 +1,168 @@
+"""The scheduler's view of KV memory, written down: the `KVCacheManager` protocol (no JAX).
+
+A KV cache manager (the paper's name, section 4.2) owns the mapping from sequences to physical
+blocks of the device pool. It is an immutable snapshot: every operation returns a new manager
+(and the `DeviceOps` the device must run), never mutating the old one, so a refused operation
+leaves its input untouched and any snapshot can be kept, compared or drawn.
+
+Every manager does allocate / append / free (`KVCacheManager`). Two capabilities are separate
+protocols, checked with `isinstance` where they are needed:
+- `ForkingKVCacheManager`: `fork` shares a sequence's blocks with a new one (parallel sampling,
+  beam search). The engine refuses n > 1 and beam search without it.
+- `SwappingKVCacheManager`: moves sequences' blocks to a CPU pool and back. The scheduler refuses
+  `preemption_mode="swap"` without it.
+`jpaged.core.block_manager.BlockManager` (paging, PagedAttention) implements all three. The
+engine builds its manager with a factory `KVCacheSpec -> KVCacheManager` (`LLMEngine(...,
+kv_cache_manager=...)`); the benchmarks' contiguous-reservation baselines are such factories.
+
+Vocabulary: the device pool holds `num_blocks` blocks of `block_size` token slots, block 0 being
+the null block that is never handed out; a sequence's block table maps its logical blocks to
+physical block ids, and token `p` lives at slot `table[p // block_size] * block_size + p %
+block_size`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+from typing import Optional, Protocol, runtime_checkable
+
+SeqId = Hashable
+NULL_BLOCK_ID = 0
+
+
+class OutOfBlocksError(ValueError):
+    """Not enough free blocks for an operation (callers check `can_*` first)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceOps:
+    """Device work implied by KV cache manager operations. Apply in this order: swap_out, swap_in,
+    copy_pairs, then the step's K/V writes. That is correct as long as a step that swaps in does
+    not also swap out (the scheduler never swaps in while it preempts)."""
+
+    copy_pairs: tuple[tuple[int, int], ...] = ()  # copy-on-write: (src_block_id, dst_block_id)
+    swap_out: tuple[tuple[int, int], ...] = ()  # (device_block_id, cpu_block_id)
+    swap_in: tuple[tuple[int, int], ...] = ()  # (cpu_block_id, device_block_id)
+
+    def __add__(self, other: DeviceOps) -> DeviceOps:
+        return DeviceOps(self.copy_pairs + other.copy_pairs, self.swap_out + other.swap_out,
+                         self.swap_in + other.swap_in)
+
+    def __bool__(self) -> bool:
+        return bool(self.copy_pairs or self.swap_out or self.swap_in)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """What the engine knows when it builds a KV cache manager: the pools' sizes in blocks (the
+    device pool's `num_blocks` counts the null block), the block size, whether prefix caching is
+    asked for, and the longest sequence the model runs."""
+
+    num_blocks: int
+    block_size: int
+    num_cpu_blocks: int = 0
+    enable_prefix_caching: bool = False
+    max_model_len: Optional[int] = None
+
+
+def slot_ids(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Device slots of positions [start, end) of a sequence with this block table."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+@runtime_checkable
+class KVCacheManager(Protocol):
+    """An immutable snapshot of which blocks hold which sequences' tokens (see the module docstring).
+
+    Invariant every implementation keeps: a running sequence of n tokens has a block table whose
+    first ceil(n / block_size) entries name the blocks holding its tokens, and `slot_mapping`
+    addresses them; block 0 (null) is never in a table. `check_invariants` asserts the rest of
+    an implementation's own invariants.
+    """
+
+    @property
+    def num_blocks(self) -> int:
+        """The device pool, null block included."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Device blocks that an allocation may take now."""
+
+    @property
+    def seq_ids(self) -> tuple:
+        """Every sequence the manager holds, in no particular order."""
+
+    def has(self, seq_id: SeqId) -> bool: ...
+
+    def block_table(self, seq_id: SeqId) -> tuple[int, ...]:
+        """Physical block ids in logical order (CPU block ids while swapped out)."""
+
+    def num_tokens(self, seq_id: SeqId) -> int: ...
+
+    def is_swapped(self, seq_id: SeqId) -> bool: ...
+
+    def slot_mapping(self, seq_id: SeqId, start: int, end: int) -> list[int]:
+        """Device slots of positions [start, end) of a running sequence."""
+
+    def can_allocate(self, token_ids: Sequence[Sequence[int]], *, reserve: int = 0) -> bool:
+        """Whether new sequences holding these tokens (one list per sequence) can be allocated
+        with `reserve` device blocks still free after them. May be conservative, never optimistic."""
+
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> tuple[KVCacheManager, int]:
+        """A new running sequence holding `token_ids`: (snapshot, how many of its first tokens
+        already have their K/V in the pool, e.g. from a prefix cache). Raises OutOfBlocksError."""
+
+    def num_blocks_to_append(self, seq_ids: Sequence[SeqId]) -> int:
+        """Free device blocks that `append` of one token to each of these sequences takes (a
+        number larger than the pool when one of them can never grow)."""
+
+    def append(self, appends: Sequence[tuple[SeqId, int]]) -> tuple[KVCacheManager, DeviceOps]:
+        """One more token slot for each (running sequence, its new token id)."""
+
+    def free(self, seq_ids: Sequence[SeqId]) -> KVCacheManager:
+        """Drops sequences, running or swapped out, releasing what they alone held."""
+
+    def stats(self) -> dict:
+        """At least num_blocks, num_free_blocks, num_used_blocks, num_cached_blocks,
+        num_cached_free_blocks, refcount_histogram, num_cpu_blocks, num_used_cpu_blocks, num_seqs,
+        num_swapped_seqs."""
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError naming the first broken invariant."""
+
+
+@runtime_checkable
+class ForkingKVCacheManager(KVCacheManager, Protocol):
+    """A manager whose sequences can share blocks (copy-on-write on a shared block's next write)."""
+
+    def fork(self, parent_seq_id: SeqId, child_seq_id: SeqId) -> ForkingKVCacheManager:
+        """A new sequence sharing every block of the parent."""
+
+
+@runtime_checkable
+class SwappingKVCacheManager(KVCacheManager, Protocol):
+    """A manager with a CPU block pool that running sequences can be swapped out to."""
+
+    @property
+    def num_cpu_blocks(self) -> int: ...
+
+    def can_swap_out(self, seq_ids: Sequence[SeqId]) -> bool: ...
+
+    def swap_out(self, seq_ids: Sequence[SeqId]) -> tuple[SwappingKVCacheManager, DeviceOps]:
+        """Moves running sequences' blocks to the CPU pool (a block they share moves once)."""
+
+    def can_swap_in(self, seq_ids: Sequence[SeqId]) -> bool:
+        """Counts only the swapped blocks: the caller keeps room for the next append."""
+
+    def swap_in(self, seq_ids: Sequence[SeqId]) -> tuple[SwappingKVCacheManager, DeviceOps]:
+        """Moves swapped-out sequences' blocks back to the device pool."""
+
+
+def check_unique(seq_ids: Sequence[SeqId]) -> None:
+    """Raises ValueError when a sequence appears twice in one batched operation."""
+    if len(set(seq_ids)) != len(seq_ids):
+        raise ValueError(f"a sequence appears twice in {list(seq_ids)!r}")

@@ -1,0 +1,54 @@
+"""The attention seam: how the model writes new K/V into the paged pool and reads it back.
+
+A backend (`AttentionBackend`) is static configuration (frozen, hashable) with three operations on
+the stacked pool `f[num_layers, num_blocks, block_size, num_kv_heads, head_dim]` and a traced
+`layer` index (a layer is never sliced out of the pool: a slice is a copy):
+
+  write_kv(k_pool, v_pool, layer, k, v, slot_mapping)   -> (k_pool, v_pool)
+  attend(q, k_pool, v_pool, layer, inputs, scale)       -> out
+  copy_blocks(k_pool, v_pool, pairs)                     -> (k_pool, v_pool)
+
+Query layout: `q f[N, num_heads, head_dim]`, the packed new tokens of a
+`jpaged.device.batch.ModelInputs`; the token at absolute position p of a row may attend to every
+cached position <= p of that row. This one rule covers decode (one token per row), prefill and
+prefill on top of cached context (prefix caching, recompute). Every backend computes exact softmax
+attention; only the storage layout is paged.
+
+Backends: `xla` (`XLABackend`, the CPU fast path) and `pallas` (`PallasBackend`: the kernels of
+`pallas_kernels`, compiled on a GPU, `interpret=True` on a CPU for tests).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+
+from jpaged.device.attention.xla import XLABackend
+
+BACKENDS = ("auto", "pallas", "xla")
+
+
+class AttentionBackend(Protocol):
+    """See the module docstring. `name` is the backend's name in `BACKENDS`."""
+
+    name: str
+
+    def write_kv(self, k_pool, v_pool, layer, k, v, slot_mapping): ...
+
+    def attend(self, q, k_pool, v_pool, layer, inputs, scale): ...
+
+    def copy_blocks(self, k_pool, v_pool, pairs): ...
+
+
+def get_backend(name: str = "auto", *, interpret: bool = False) -> AttentionBackend:
+    """'auto' picks the Pallas kernels on a GPU and the XLA path elsewhere."""
+    if name == "auto":
+        name = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if name == "xla":
+        return XLABackend()
+    if name == "pallas":
+        from jpaged.device.attention.pallas import PallasBackend
+
+        return PallasBackend(interpret=interpret)
+    raise ValueError(f"attention_backend must be one of {', '.join(map(repr, BACKENDS))}, not {name!r}")

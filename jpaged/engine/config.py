@@ -1,0 +1,70 @@
+"""`EngineConfig`: the engine's static settings, validated on construction (vLLM's names)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax.numpy as jnp
+
+from jpaged.device.attention import BACKENDS
+from jpaged.device.kv_cache import parse_memory_size
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static engine settings.
+
+    model: a .gguf file, a HF Llama directory or a jpaged checkpoint (None: the embedded default).
+    block_size: tokens per KV block (a power of two). num_blocks: the whole device pool, the null
+      block included; when None it is sized from `kv_cache_memory` (bytes, or e.g. '1GiB').
+    dtype: of the parameters and the KV pool. attention_backend: 'auto' (Pallas on a GPU, XLA
+      elsewhere), 'pallas' or 'xla'; `interpret` runs the Pallas kernels in the interpreter.
+    max_model_len: the longest sequence (prompt + output), at most the model's context.
+    max_num_seqs / max_num_batched_tokens: a step's sequence and prefill-token budgets.
+    preemption_mode: 'recompute' or 'swap' (into `swap_space` GiB of CPU blocks, as in vLLM).
+    watermark: the fraction of the pool kept free when admitting a request while others run,
+      against preempting right after admission.
+    enable_prefix_caching: reuse the KV blocks of identical prompt prefixes.
+    seed: draws the seeds of requests that give none.
+    The scheduler's settings (max_num_seqs, max_num_batched_tokens, preemption_mode, watermark)
+    are checked by `jpaged.core.scheduler.SchedulerConfig`.
+    """
+
+    model: Optional[str] = None
+    block_size: int = 16
+    num_blocks: Optional[int] = None
+    kv_cache_memory: str | int = "1GiB"
+    dtype: str = "float32"
+    attention_backend: str = "auto"
+    interpret: bool = False
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    preemption_mode: str = "recompute"
+    swap_space: float = 0.0
+    watermark: float = 0.01
+    enable_prefix_caching: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        b = self.block_size
+        if not (isinstance(b, int) and b >= 1 and b & (b - 1) == 0):
+            raise ValueError(f"block_size must be a power of two (e.g. 16), got {b!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(map(repr, BACKENDS))}, "
+                             f"got {self.attention_backend!r}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null block), got {self.num_blocks}")
+        if self.num_blocks is None:
+            parse_memory_size(self.kv_cache_memory)  # raises ValueError saying how to write it
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+
+    @property
+    def jnp_dtype(self):
+        return DTYPES[self.dtype]
