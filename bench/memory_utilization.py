@@ -50,7 +50,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `jpaged` impo
 
 from bench import common  # noqa: E402
 from bench import traces as traces_lib  # noqa: E402
-from bench.baselines.reservation import ReservationManager, ReservationPolicy, cdiv  # noqa: E402
+from bench.baselines.reservation import ReservationManager, ReservationPolicy  # noqa: E402
+from jpaged.core.kv_cache_manager import blocks_for  # noqa: E402
 
 CATEGORIES = ("token_states", "reserved", "internal", "external", "free")
 INTERNAL_PARTS = ("over_reservation", "block_padding", "buddy_rounding")
@@ -149,7 +150,7 @@ def simulate_paged(trace, block_size: int, pool_slots: int) -> SimResult:
         preempted, i = False, 0
         while i < len(running):
             seq = running[i]
-            need = -(-(seq.req.prompt_len + seq.generated) // block_size) - seq.num_blocks
+            need = blocks_for(seq.req.prompt_len + seq.generated, block_size) - seq.num_blocks
             victim = None
             while need > free and victim is not seq:
                 victim = running.pop()  # latest arrival
@@ -164,7 +165,7 @@ def simulate_paged(trace, block_size: int, pool_slots: int) -> SimResult:
             i += 1
         while not preempted and waiting:
             seq = waiting[0]
-            need = -(-(seq.req.prompt_len + seq.generated) // block_size)
+            need = blocks_for(seq.req.prompt_len + seq.generated, block_size)
             if need > free:
                 break
             waiting.popleft()
@@ -185,7 +186,7 @@ def simulate_paged(trace, block_size: int, pool_slots: int) -> SimResult:
                 internal += allocated - final
             else:
                 reserved += allocated - now
-            padded += -(-now // block_size) * block_size
+            padded += blocks_for(now, block_size) * block_size
         # token_states, reserved, internal, external, free, over_res, padding, buddy, running, floor
         return (tokens, reserved, internal, 0, free * block_size, 0, internal, 0, len(running), padded)
 
@@ -209,7 +210,7 @@ def simulate_orca(trace, policy: ReservationPolicy, block_size: int, pool_slots:
             seq = waiting.popleft()
             req = seq.req
             manager, r = manager.admit(req.request_id, req.prompt_len, req.output_len)
-            final, blocks = req.prompt_len + req.output_len - 1, cdiv(r.num_slots, block_size)
+            final, blocks = req.prompt_len + req.output_len - 1, blocks_for(r.num_slots, block_size)
             seq.reservation = r
             seq.internal_parts = (r.num_slots - final, blocks * block_size - r.num_slots,
                                   (r.run_blocks - blocks) * block_size)

@@ -66,11 +66,11 @@ def decode_step_seconds(loaded, batch: int, context: int, repeats: int) -> float
     import jax
 
     from jpaged.device.attention import get_backend
-    from jpaged.core.kv_cache_manager import slot_ids
+    from jpaged.core.kv_cache_manager import blocks_for, slot_ids
     from jpaged.device.runner import ModelRunner
     from jpaged.core.scheduler import Row
 
-    per_seq = -(-context // BLOCK_SIZE)
+    per_seq = blocks_for(context, BLOCK_SIZE)
     runner = ModelRunner(loaded.config, loaded.params, num_blocks=1 + batch * per_seq, block_size=BLOCK_SIZE,
                          backend=get_backend("auto"))
     rows = []

@@ -29,9 +29,10 @@ WARMUP_STEPS = 2
 
 def measure(loaded, num_seqs: int, decode_steps: int) -> dict:
     from jpaged import EngineConfig, LLMEngine, SamplingParams
+    from jpaged.core.kv_cache_manager import blocks_for
 
     block_size = 16
-    per_seq = -(-(PROMPT_LEN + WARMUP_STEPS + decode_steps + 2) // block_size)
+    per_seq = blocks_for(PROMPT_LEN + WARMUP_STEPS + decode_steps + 2, block_size)
     engine = LLMEngine(EngineConfig(num_blocks=num_seqs * per_seq + 8, block_size=block_size, max_num_seqs=num_seqs,
                                     max_num_batched_tokens=max(2048, num_seqs * PROMPT_LEN)), loaded=loaded)
     rng = np.random.default_rng(0)

@@ -50,6 +50,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `jpaged` impo
 from bench import common  # noqa: E402
 from bench import traces as traces_lib  # noqa: E402
 from bench.block_size import interleave  # noqa: E402
+from jpaged.core.kv_cache_manager import blocks_for  # noqa: E402
 
 PAPER_ALPACA = {"parallel": {2: 6.09, 4: 8.53, 6: 9.79}, "beam": {2: 37.56, 4: 53.13, 6: 55.16}}
 PAPER_SHAREGPT_RANGE = {"parallel": (16.2, 30.5), "beam": (44.3, 66.3)}
@@ -116,7 +117,7 @@ def measure_sharing(llm, prompts: list, params, tag: str) -> dict:
         assert shared == bm.num_blocks - 1 - bm.num_free_blocks, "held blocks != used blocks"
         num_tokens = [bm.num_tokens(s) for s in seq_ids]
         shared_t.append(shared)
-        unshared_t.append(sum(-(-n // bs) for n in num_tokens))
+        unshared_t.append(sum(blocks_for(n, bs) for n in num_tokens))
         tokens_t.append(sum(num_tokens))
         seqs_t.append(len(seq_ids))
         # what sharing only the prompt's full blocks would save (parallel sampling's sharing, to first order)
@@ -152,7 +153,7 @@ def run_sharing(loaded, preset: dict, seed: int, prompts_text: list[str]) -> dic
     bs = preset["block_size"]
     prompts = [chat_prompt(loaded.tokenizer, [{"role": "user", "content": prompts_text[i]}]) for i in chosen]
     # room for every sequence to hold a private copy (the unshared case): sharing never preempts
-    num_blocks = max(preset["widths"]) * sum(-(-(len(p["prompt_token_ids"]) + preset["max_tokens"]) // bs)
+    num_blocks = max(preset["widths"]) * sum(blocks_for(len(p["prompt_token_ids"]) + preset["max_tokens"], bs)
                                              for p in prompts) + 16
     llm = LLM(loaded=loaded, block_size=bs, num_blocks=num_blocks, dtype="float32")
     # warm-up: compile the sampler and the shapes of the smallest configuration (compile time is excluded anyway)
@@ -242,7 +243,7 @@ def run_prefix(loaded, preset: dict, seed: int, prompts_text: list[str]) -> dict
                                         {"role": "user", "content": prompts_text[i]}]) for i in chosen]
 
     pool = dict(num_blocks=16 + max(  # every request holding a private copy: never preempts
-        sum(-(-(len(p["prompt_token_ids"]) + preset["prefix_max_tokens"]) // bs) for p in requests(v))
+        sum(blocks_for(len(p["prompt_token_ids"]) + preset["prefix_max_tokens"], bs) for p in requests(v))
         for v in range(len(SYSTEM_PROMPT_OPENINGS))))
     llms = {mode: LLM(loaded=loaded, block_size=bs, dtype="float32", enable_prefix_caching=(mode != "off"), **pool)
             for mode in PREFIX_MODES}

@@ -186,13 +186,14 @@ class Bench:
         tables up to `max_model_len`, rows x table width at most 4x the pool) on rows that read and
         write only the null block. Other shapes (prefill ones are too many to enumerate) compile
         when first seen, off the clock."""
+        from jpaged.core.kv_cache_manager import blocks_for
         from jpaged.core.scheduler import Row
         from jpaged.device.batch import bucket, row_bucket
         from jpaged.device.runner import SampleRow
 
         runner = self.runner
         compile_before, start_all = runner.compile_seconds, time.perf_counter()
-        widths = [w for w in (1 << k for k in range(2, 16)) if w <= bucket(-(-max_model_len // BLOCK_SIZE), 4)]
+        widths = [w for w in (1 << k for k in range(2, 16)) if w <= bucket(blocks_for(max_model_len, BLOCK_SIZE), 4)]
         shapes = [(num_rows, width) for num_rows in sorted({row_bucket(n) for n in range(1, max_rows + 1)})
                   for width in widths if num_rows * width <= max(4 * (self.num_blocks - 1), 64)]
         for num_rows, width in shapes:

@@ -16,7 +16,6 @@ free buddies merge only if the merged run stays inside one root. Offsetting by o
 aligning absolute block ids) keeps the largest run as large as possible (512 of 767 blocks
 rather than 256).
 
-Host-side only: never imports JAX.
 """
 
 from __future__ import annotations
@@ -26,16 +25,8 @@ import enum
 import functools
 from collections.abc import Hashable
 
-
-def next_power_of_two(n: int) -> int:
-    """Smallest power of two >= n (n >= 1)."""
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    return 1 << (n - 1).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from jpaged.core.kv_cache_manager import blocks_for
+from jpaged.device.batch import bucket as next_power_of_two  # smallest power of two >= n
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,7 +175,7 @@ ORCA_ORACLE = ReservationPolicy.ORCA_ORACLE
 class Reservation:
     """One request's contiguous reservation: `num_slots` token slots from block `first_block_id`.
 
-    The buddy run is `run_blocks` long; only the first `cdiv(num_slots, block_size)` blocks are
+    The buddy run is `run_blocks` long; only the first `blocks_for(num_slots, block_size)` blocks are
     ever written. Token `i` of the sequence lives at slot `first_block_id * block_size + i`.
     """
 
@@ -204,7 +195,7 @@ class Reservation:
         num_tokens = self.num_slots if num_tokens is None else num_tokens
         if not 0 <= num_tokens <= self.num_slots:
             raise IndexError(f"{num_tokens} tokens outside the reservation of {self.num_slots}")
-        return tuple(range(self.first_block_id, self.first_block_id + cdiv(num_tokens, self.block_size)))
+        return tuple(range(self.first_block_id, self.first_block_id + blocks_for(num_tokens, self.block_size)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,8 +221,8 @@ class ReservationManager:
         return self.policy.num_slots(prompt_len, output_len, self.max_model_len)
 
     def num_run_blocks(self, prompt_len: int, output_len: int) -> int:
-        """Blocks the buddy allocator takes: `cdiv(slots, block_size)` rounded to a power of two."""
-        return next_power_of_two(cdiv(self.num_slots(prompt_len, output_len), self.block_size))
+        """Blocks the buddy allocator takes: `blocks_for(slots, block_size)` rounded to a power of two."""
+        return next_power_of_two(blocks_for(self.num_slots(prompt_len, output_len), self.block_size))
 
     def can_admit(self, prompt_len: int, output_len: int) -> bool:
         return self.buddy.can_allocate(self.num_run_blocks(prompt_len, output_len))
@@ -239,7 +230,7 @@ class ReservationManager:
     def admit(self, request_id: Hashable, prompt_len: int,
               output_len: int) -> tuple["ReservationManager", Reservation]:
         num_slots = self.num_slots(prompt_len, output_len)
-        buddy, first = self.buddy.allocate(request_id, cdiv(num_slots, self.block_size))
+        buddy, first = self.buddy.allocate(request_id, blocks_for(num_slots, self.block_size))
         _, run_blocks = buddy.allocation(request_id)
         reservation = Reservation(request_id, first, num_slots, run_blocks, self.block_size)
         return dataclasses.replace(self, buddy=buddy,

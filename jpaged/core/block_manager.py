@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from jpaged.core.kv_cache_manager import (NULL_BLOCK_ID, DeviceOps, KVCacheSpec, OutOfBlocksError, SeqId,
-                                          check_unique, slot_ids)
+                                          blocks_for, check_unique, slot_ids)
 from jpaged.core.persistent import SHARD_BITS, Queue, Table, TableEdit
 
 # A full block's identity for prefix caching: (hash() of the parent block's BlockHash, or None for
@@ -163,7 +163,7 @@ class BlockManager:
         fit with `reserve` blocks still free after them (the scheduler's watermark): each takes
         ceil(len / block_size) blocks. Conservative: prefix-cache hits can only lower the need."""
         bs = self.block_size
-        return sum(-(-len(ids) // bs) for ids in token_ids) + reserve <= self.num_free_blocks
+        return sum(blocks_for(len(ids), bs) for ids in token_ids) + reserve <= self.num_free_blocks
 
     def num_blocks_to_append(self, seq_ids: Sequence[SeqId]) -> int:
         """Blocks one `append` of one token to each sequence takes: a new block when the last is
@@ -213,7 +213,7 @@ class BlockManager:
                 if (block_id := self._cached.get(block_hash)) is None:
                     break
                 hits.append(block_id)
-        num_needed = -(-n // bs) - sum(1 for b in hits if self.refcount(b) > 0)
+        num_needed = blocks_for(n, bs) - sum(1 for b in hits if self.refcount(b) > 0)
         if num_needed > self.num_free_blocks:
             raise OutOfBlocksError(f"cannot allocate sequence {seq_id!r} ({n} tokens): needs "
                                    f"{num_needed} blocks, {self.num_free_blocks} free")
@@ -221,7 +221,7 @@ class BlockManager:
         for block_id in hits:
             edit.acquire(block_id)
         block_ids = list(hits)
-        for i in range(len(hits), -(-n // bs)):
+        for i in range(len(hits), blocks_for(n, bs)):
             block_ids.append(edit.allocate_block())
             if i < len(hashes):
                 edit.cache(hashes[i], block_ids[-1])
@@ -306,7 +306,7 @@ class BlockManager:
         bs, entries = self.block_size, {False: Counter(), True: Counter()}
         fill = {}  # (swapped, block id) -> (logical index, filled slots)
         for seq_id, seq in self._seqs.to_dict().items():
-            assert seq.num_tokens >= 1 and len(seq.block_ids) == -(-seq.num_tokens // bs), (
+            assert seq.num_tokens >= 1 and len(seq.block_ids) == blocks_for(seq.num_tokens, bs), (
                 f"sequence {seq_id!r}: {seq.num_tokens} tokens in {len(seq.block_ids)} blocks")
             if self.enable_prefix_caching:
                 assert len(seq.partial_token_ids) == seq.num_tokens % bs, (

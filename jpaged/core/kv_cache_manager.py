@@ -66,6 +66,11 @@ class KVCacheSpec:
     max_model_len: Optional[int] = None
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """The blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
 def slot_ids(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
     """Device slots of positions [start, end) of a sequence with this block table."""
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -26,7 +26,7 @@ import numpy as np
 from jpaged.core import beam_search
 from jpaged.core.block_manager import BlockManager
 from jpaged.core.detokenizer import append_text, find_stop, stream_safe_length
-from jpaged.core.kv_cache_manager import ForkingKVCacheManager, KVCacheManager, KVCacheSpec
+from jpaged.core.kv_cache_manager import ForkingKVCacheManager, KVCacheManager, KVCacheSpec, blocks_for
 from jpaged.core.sampling_params import SamplingParams
 from jpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jpaged.core.sequence import Sequence, SequenceGroup
@@ -155,7 +155,7 @@ class LLMEngine:
             raise ValueError(f"prompt is {n} tokens but the model's context is {self.max_model_len}: "
                              f"shorten it to at most {self.max_model_len - 1} tokens")
         bs = self.config.block_size
-        need = -(-n // bs)
+        need = blocks_for(n, bs)
         if need > self.num_blocks - 1:
             raise ValueError(f"prompt of {n} tokens needs {need} KV blocks of {bs} tokens but the pool has "
                              f"{self.num_blocks - 1}: raise num_blocks / kv_cache_memory or shorten the prompt")
