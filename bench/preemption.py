@@ -119,8 +119,7 @@ def run(preset: dict, seed: int, log=print) -> dict:
     return dict(trace=workload.describe(), block_sizes=block_sizes,
                 results={f"{bs}/{mode}": r for (bs, mode), r in rows.items()}, summary=summary,
                 outputs_identical_across_block_sizes=same_across,
-                model_load_seconds=sw.seconds, warm_up_seconds={f"{b}/{m}": s for (b, m), s in warm.items()},
-                calibration_seconds={f"{b}/{m}": c.calibration_seconds for (b, m), c in clocks.items()})
+                model_load_seconds=sw.seconds, warm_up_seconds={f"{b}/{m}": s for (b, m), s in warm.items()})
 
 
 def plot(out: dict, path: Path) -> None:
