@@ -34,6 +34,10 @@ logger = logging.getLogger("jpaged")
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
+    """A step's budgets (sequences running at once; tokens a prefill step computes, the first group
+    of a step always admitted), how to preempt, and the fraction of the pool an admission leaves
+    free while other groups run."""
+
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     preemption_mode: str = "recompute"  # or "swap"

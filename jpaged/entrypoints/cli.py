@@ -19,32 +19,39 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jpaged", description="PagedAttention inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions for prompts")
-    g.add_argument("prompts", nargs="*", metavar="PROMPT")
+    g.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts (each one request)")
     g.add_argument("--prompts-file", help="JSONL file with a 'prompt' field per line")
-    g.add_argument("--model", help="a .gguf file or a HF Llama directory (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--model", help="a .gguf file, a HF Llama directory or a jpaged checkpoint (default: the "
+                   "embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most per sample")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of this mass")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible, whatever else runs")
     g.add_argument("--n", type=int, default=1, help="samples per prompt")
     g.add_argument("--beam-width", type=int, default=1, help="beam search with this many beams")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks, null block included")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size when --num-blocks is not given")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "xla"])
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    g.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU block pool for swapping")
-    g.add_argument("--enable-prefix-caching", action="store_true")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="of the weights and the KV pool")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "xla"],
+                   help="auto: the Pallas kernels on a GPU, the XLA path elsewhere")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once, at most")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prompt tokens a prefill step computes, at most (default: max(context, 2048))")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="what happens to the latest requests when KV blocks run out")
+    g.add_argument("--swap-space", type=float, default=4.0,
+                   help="GiB of CPU block pool for --preemption-mode swap (capped at the device pool's size)")
+    g.add_argument("--enable-prefix-caching", action="store_true", help="reuse the KV blocks of shared prompt prefixes")
     g.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as given")
     g.add_argument("--json", action="store_true", help="one JSON object per request, then a summary line")
     c = sub.add_parser("convert", help="save a model as a jpaged (orbax) checkpoint that loads in seconds")
     c.add_argument("--model", help="a .gguf file or a HF Llama directory (default: embedded SmolLM2-135M-Instruct)")
     c.add_argument("--out", default=None, help="new directory to write (default: checkpoints/<model name>)")
-    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="of the saved parameters")
     return parser
 
 

@@ -79,7 +79,7 @@ def _prefill_partials(q, k_pool, v_pool, layer, plan, scale):
 
 
 def xla_attend(q, k_pool, v_pool, layer, plan, scale):
-    """Exact causal attention over the pairs of an `AttentionPlan` (see `jpaged.batch`).
+    """Exact causal attention over the pairs of an `AttentionPlan` (see `jpaged.device.batch`).
 
     q f[N, H, D] (packed new tokens) -> f[N, H, D]. Every pair computes the partial softmax of
     one query tile over one key tile (gathered block by block from the pool); each query tile then
