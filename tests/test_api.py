@@ -100,7 +100,7 @@ def test_sampling_params_list_must_match_prompts(llm):
 def test_bad_engine_config(default_model):
     with pytest.raises(ValueError, match=r"block_size must be a power of two \(e.g. 16\), got 12"):
         LLM(loaded=default_model, block_size=12)
-    with pytest.raises(ValueError, match=r"num_blocks must be >= 2 \(block 0 is the reserved null block\)"):
+    with pytest.raises(ValueError, match=r"num_blocks must be an integer >= 2 \(block 0 is the reserved null block\)"):
         LLM(loaded=default_model, num_blocks=1)
 
 

@@ -7,13 +7,15 @@ As in vLLM, prefill goes first whenever a waiting group can be admitted and noth
 When the KV blocks run out during decode, the latest-arrived running group is preempted, whole:
 by recompute (its blocks are freed; it goes back to the front of the waiting queue and
 re-prefills prompt + generated tokens) or by swap (its blocks move to the CPU pool; it comes back
-before any new admission). A group that cannot grow even when running alone is finished with
-`finish_reason="length"` rather than preempted forever.
+before any new admission). Liveness: a group that cannot grow even when running alone, or that can
+no longer be re-admitted or swapped in even into an empty pool, is finished with
+`finish_reason="length"` (keeping what it generated) rather than waiting forever; a request too
+large ever to start is refused at admission by the engine.
 
 The scheduler owns the KV cache manager snapshot (`jpaged.core.kv_cache_manager`: replaced, never
 mutated), the queues, and the lifecycle of every group it holds: status, timestamps, which
 sequences a group holds (`fork_seq`, `set_beams`) and each sequence's `finish_reason` (`finish_seq`,
-`abort`, and "length" for a group that cannot grow alone). It hands the device side `Row`s
+`abort`, `fail`, and "length" for a group that cannot grow alone). It hands the device side `Row`s
 (numpy-friendly lists) and the `DeviceOps` a step implies.
 """
 
@@ -44,14 +46,14 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of blocks kept free at admission, against immediate preemption
 
     def __post_init__(self):
-        if not 0 <= self.watermark < 1:
+        if not (isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1):
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', not {self.preemption_mode!r}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not (isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1):
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        if not (isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1):
+            raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +120,28 @@ class Scheduler:
                     return group
         return None
 
+    def fail(self, group: SequenceGroup, error: str) -> None:
+        """Ends a group a failed step touched: its blocks come back, its live sequences finish with
+        "error", and `group.error` says why."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        self._release(group)
+        for seq in group.live_seqs:
+            seq.finish_reason = "error"
+        group.error = error
+        self._finished(group)
+
+    def lose_device_blocks(self, error: str) -> list[SequenceGroup]:
+        """The device pool's contents are gone: every running group fails (its K/V was there) and the
+        KV cache manager forgets what its free blocks held. Waiting groups hold no block; swapped ones
+        hold CPU blocks, which are intact. Returns the failed groups."""
+        failed = list(self.running)
+        for group in failed:
+            self.fail(group, error)
+        self.block_manager = self.block_manager.forget_cached()
+        return failed
+
     def finish_seq(self, seq: Sequence, reason: str) -> None:
         """Ends one sequence of a running group ("stop" or "length") and frees its blocks."""
         seq.finish_reason = reason
@@ -165,7 +189,21 @@ class Scheduler:
             output = self._schedule_prefill()
             if output.rows:
                 return output
-        return self._schedule_decode()
+        output = self._schedule_decode()
+        if not (output.rows or output.finished or self.running) and (self.waiting or self.swapped):
+            # nothing runs and the pool is as free as it gets: the group at the head can never run again
+            # (a recomputed group of n samples re-prefills them unshared; a swapped one may need one more
+            # block than the pool has). Ending it keeps the engine live; it keeps what it generated.
+            group = min(self.swapped, key=lambda g: g.arrival_time) if self.swapped else self.waiting[0]
+            logger.warning("request %s can no longer fit in the KV pool (%d blocks): finishing it with "
+                           "finish_reason='length'", group.request_id, self.block_manager.num_blocks)
+            (self.swapped if group in self.swapped else self.waiting).remove(group)
+            self._release(group)
+            for seq in group.live_seqs:
+                seq.finish_reason = "length"
+            self._finished(group)
+            output.finished.append(group)
+        return output
 
     def _num_live_running(self) -> int:
         return sum(len(g.live_seqs) for g in self.running)

@@ -15,6 +15,9 @@ out of it (a slice is a copy).
 from __future__ import annotations
 
 import math
+import os
+import re
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -50,19 +53,89 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, dtype, memory_by
     return int(memory_bytes // bytes_per_block(config, block_size, dtype))
 
 
-def parse_memory_size(text: str | int | float) -> int:
-    """'512MiB', '2GiB', '1.5GB', '1e9' or a number of bytes -> bytes."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
-             "gib": 2**30, "k": 2**10, "m": 2**20, "g": 2**30}
-    s = text.strip().lower().replace(" ", "")
-    number = s.rstrip("kmgib")
-    unit = s[len(number):]
+# Of the memory a device reports free, what the KV pool and parameters may take: the rest is left
+# for the steps' activations, the compiled executables and the host process itself.
+USABLE_FRACTION = 0.9
+
+
+def host_available_bytes() -> Optional[int]:
+    """The host memory the kernel could give this process now (Linux's MemAvailable), or None."""
     try:
-        value = float(number)
-    except ValueError:
-        value = math.nan
-    if unit not in units or not value > 0:
-        raise ValueError(f"cannot read memory size {text!r}: write e.g. '512MiB', '2GiB' or a number of bytes")
-    return int(value * units[unit])
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def device_available_bytes(device=None) -> Optional[int]:
+    """The memory a JAX device can still allocate (a CPU device: the host's), or None when unknown."""
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        return host_available_bytes()
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def check_pool_fits(config: ModelConfig, block_size: int, dtype, num_blocks: int, num_cpu_blocks: int,
+                    params_bytes: int) -> None:
+    """Raises ValueError, saying how many blocks fit, when a KV pool of `num_blocks` blocks (with
+    `params_bytes` of parameters still to be placed on the device) or a CPU swap pool of
+    `num_cpu_blocks` blocks would not fit in `USABLE_FRACTION` of the memory available now. Checked
+    before anything is allocated: the pool, and the host state that tracks it."""
+    block = bytes_per_block(config, block_size, dtype)
+    device = jax.devices()[0]
+    on_host = device.platform == "cpu"  # the device pool, the parameters and the swap pool share host memory
+    device_need = num_blocks * block + params_bytes + (num_cpu_blocks * block if on_host else 0)
+    available = device_available_bytes(device)
+    where = "this machine's memory" if on_host else f"{device.device_kind} memory"
+    if available is not None and device_need > USABLE_FRACTION * available:
+        room = USABLE_FRACTION * available - params_bytes - (num_cpu_blocks * block if on_host else 0)
+        fits = max(int(room // block), 0)
+        raise ValueError(
+            f"a KV pool of {num_blocks:,} blocks of {block_size} tokens needs {format_bytes(num_blocks * block)}"
+            f"{' (with the swap pool and the parameters' if on_host else ' (with the parameters'}: "
+            f"{format_bytes(device_need)}), but {where} has {format_bytes(available)} available: at most "
+            f"{fits:,} blocks ({format_bytes(fits * block)}) fit; lower num_blocks / --num-blocks or "
+            "kv_cache_memory / --kv-cache-memory")
+    host_available = host_available_bytes()
+    if not on_host and host_available is not None and num_cpu_blocks * block > USABLE_FRACTION * host_available:
+        fits = int(USABLE_FRACTION * host_available // block)
+        raise ValueError(f"a CPU swap pool of {num_cpu_blocks:,} blocks needs {format_bytes(num_cpu_blocks * block)}, "
+                         f"but the host has {format_bytes(host_available)} available: lower swap_space / "
+                         f"--swap-space to at most {format_bytes(fits * block)}")
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+          **{p + "b": 1000 ** (i + 1) for i, p in enumerate("kmgt")},
+          **{p + "ib": 1024 ** (i + 1) for i, p in enumerate("kmgt")}}
+
+
+def parse_memory_size(text: str | int | float) -> int:
+    """'512MiB', '2GiB', '1.5GB', '1TB', '1e9' or a number of bytes -> bytes (a positive integer).
+    Units: B; KB, MB, GB, TB (powers of 1000); KiB, MiB, GiB, TiB and K, M, G, T (powers of 1024)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+        value, unit = (float(match[1]), match[2]) if match else (math.nan, "")
+        if match and match[1].count(".") > 1:
+            value = math.nan
+    if unit not in _UNITS or not value * _UNITS[unit] >= 1:
+        raise ValueError(f"cannot read memory size {text!r}: write e.g. '512MiB', '2GiB', '1TB' or a number of bytes")
+    return int(value * _UNITS[unit])

@@ -49,6 +49,14 @@ class LlamaParams:
     lm_head: Optional[jax.Array] = None
 
 
+def num_params(config) -> int:
+    """Parameters of a model of this configuration (the layout above)."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    per_layer = 2 * h + 2 * h * config.num_heads * d + 2 * h * config.num_kv_heads * d + 3 * h * i
+    lm_head = 0 if config.tie_word_embeddings else h * config.vocab_size
+    return config.vocab_size * h + config.num_layers * per_layer + h + lm_head
+
+
 def cast_params(params: LlamaParams, dtype) -> LlamaParams:
     """Returns `params` with every floating leaf cast to `dtype`."""
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)

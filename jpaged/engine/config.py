@@ -7,6 +7,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
+from jpaged.core.scheduler import SchedulerConfig
 from jpaged.device.attention import BACKENDS
 from jpaged.device.kv_cache import parse_memory_size
 
@@ -29,8 +30,8 @@ class EngineConfig:
       against preempting right after admission.
     enable_prefix_caching: reuse the KV blocks of identical prompt prefixes.
     seed: draws the seeds of requests that give none.
-    The scheduler's settings (max_num_seqs, max_num_batched_tokens, preemption_mode, watermark)
-    are checked by `jpaged.core.scheduler.SchedulerConfig`.
+    Every field is checked on construction, before anything is loaded (the scheduler's settings
+    by `jpaged.core.scheduler.SchedulerConfig`).
     """
 
     model: Optional[str] = None
@@ -58,12 +59,17 @@ class EngineConfig:
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(map(repr, BACKENDS))}, "
                              f"got {self.attention_backend!r}")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null block), got {self.num_blocks}")
-        if self.num_blocks is None:
-            parse_memory_size(self.kv_cache_memory)  # raises ValueError saying how to write it
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.num_blocks is not None and not (isinstance(self.num_blocks, int) and self.num_blocks >= 2):
+            raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the reserved null block), "
+                             f"got {self.num_blocks!r}")
+        parse_memory_size(self.kv_cache_memory)  # raises ValueError saying how to write it
+        if not (isinstance(self.swap_space, (int, float)) and self.swap_space >= 0):
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
+        if self.max_model_len is not None and not (isinstance(self.max_model_len, int) and self.max_model_len >= 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        # the scheduler's settings, checked now, before any model is loaded
+        SchedulerConfig(max_num_seqs=self.max_num_seqs, preemption_mode=self.preemption_mode, watermark=self.watermark,
+                        max_num_batched_tokens=1 if self.max_num_batched_tokens is None else self.max_num_batched_tokens)
 
     @property
     def jnp_dtype(self):

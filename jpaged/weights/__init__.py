@@ -13,12 +13,35 @@ import pathlib
 
 import jax.numpy as jnp
 
+from jpaged.device.config import ModelConfig
 from jpaged.weights import checkpoint
-from jpaged.weights.loader import LoadedModel, default_model_path, load_gguf, load_hf_dir
+from jpaged.weights.loader import LoadedModel, default_model_path, gguf_config, hf_config, load_gguf, load_hf_dir
 
-__all__ = ["LoadedModel", "default_model_path", "load_model"]
+__all__ = ["LoadedModel", "default_model_path", "load_model", "read_config"]
 
 _EXPECTED = "expected a .gguf file or a directory with config.json and *.safetensors (Llama family)"
+
+
+def _kind(path: pathlib.Path) -> str:
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
+    if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return "hf"
+    if checkpoint.is_checkpoint(path):
+        return "checkpoint"
+    what = "no such file or directory" if not path.exists() else "unsupported"
+    raise ValueError(f"{path}: {what}; {_EXPECTED} or a jpaged checkpoint")
+
+
+def read_config(path: str | os.PathLike | None = None) -> ModelConfig:
+    """The model's configuration read from its files' metadata alone (no weights, no tokenizer:
+    `eos_token_ids` may lack the chat template's end-of-turn token), in well under a second: what
+    the engine sizes its KV pool with before loading anything."""
+    path = default_model_path() if path is None else pathlib.Path(path)
+    kind = _kind(path)
+    if kind == "gguf":
+        return gguf_config(path)
+    return hf_config(path) if kind == "hf" else checkpoint.read_config(path)
 
 
 def load_model(path: str | os.PathLike | None = None, dtype=jnp.float32) -> LoadedModel:
@@ -26,11 +49,7 @@ def load_model(path: str | os.PathLike | None = None, dtype=jnp.float32) -> Load
     possibly sharded), a jpaged checkpoint or, with `path=None`, the default model. Raises
     ValueError naming `path` for anything else."""
     path = default_model_path() if path is None else pathlib.Path(path)
-    if path.is_file() and path.suffix == ".gguf":
+    kind = _kind(path)
+    if kind == "gguf":
         return load_gguf(path, dtype)
-    if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-        return load_hf_dir(path, dtype)
-    if checkpoint.is_checkpoint(path):
-        return checkpoint.load(path, dtype)
-    what = "no such file or directory" if not path.exists() else "unsupported"
-    raise ValueError(f"{path}: {what}; {_EXPECTED} or a jpaged checkpoint")
+    return load_hf_dir(path, dtype) if kind == "hf" else checkpoint.load(path, dtype)

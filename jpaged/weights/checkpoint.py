@@ -27,9 +27,28 @@ MANIFEST = "jpaged.json"
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
-    """True when `path` is a directory written by `save`."""
-    manifest = pathlib.Path(path) / MANIFEST
-    return manifest.is_file() and json.loads(manifest.read_text()).get("format") == FORMAT
+    """True when `path` is a directory with a manifest (`jpaged.json`): written by `save`, or meant
+    to be (`read_config` and `load` then say what is wrong with it)."""
+    return (pathlib.Path(path) / MANIFEST).is_file()
+
+
+def read_config(directory: str | os.PathLike) -> ModelConfig:
+    """The model's configuration from a checkpoint's manifest (no parameter is read)."""
+    manifest = pathlib.Path(directory).absolute() / MANIFEST
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{manifest}: not a readable jpaged checkpoint manifest ({' '.join(str(e).split())})") from e
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{manifest}: not a jpaged checkpoint manifest (format {FORMAT!r} expected)")
+    if data.get("version") != VERSION:
+        raise ValueError(f"{manifest}: checkpoint version {data.get('version')!r}, expected {VERSION}: "
+                         "convert the model again with this jpaged (jpaged convert)")
+    try:
+        fields = data["config"]
+        return ModelConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{manifest}: a malformed model config ({e})") from e
 
 
 def save(loaded: LoadedModel, directory: str | os.PathLike) -> pathlib.Path:
@@ -55,17 +74,19 @@ def load(directory: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
     directory = pathlib.Path(directory).absolute()
     if not is_checkpoint(directory):
         raise ValueError(f"{directory}: not a jpaged checkpoint (no {MANIFEST})")
-    manifest = json.loads((directory / MANIFEST).read_text())
-    if manifest["version"] != VERSION:
-        raise ValueError(f"{directory}: checkpoint version {manifest['version']}, expected {VERSION}")
-    fields = manifest["config"]
-    config = ModelConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
-    with ocp.StandardCheckpointer() as checkpointer:
-        saved = checkpointer.metadata(directory / "params")
-        saved = getattr(saved, "item_metadata", saved)  # orbax versions differ here
-        target = _abstract_params(config, jax.tree.leaves(saved)[0].dtype)
-        params = checkpointer.restore(directory / "params", target)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory / "tokenizer")
+    config = read_config(directory)
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            saved = checkpointer.metadata(directory / "params")
+            saved = getattr(saved, "item_metadata", saved)  # orbax versions differ here
+            target = _abstract_params(config, jax.tree.leaves(saved)[0].dtype)
+            params = checkpointer.restore(directory / "params", target)
+    except Exception as e:  # noqa: BLE001 - orbax's own errors: missing, truncated or mismatched arrays
+        raise ValueError(f"{directory / 'params'}: cannot restore the parameters ({' '.join(str(e).split())[:300]})") from e
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory / "tokenizer")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{directory / 'tokenizer'}: no usable tokenizer files ({' '.join(str(e).split())})") from e
     return LoadedModel(config, cast_params(params, dtype), tokenizer, directory)
 
 

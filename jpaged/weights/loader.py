@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import io
 import json
@@ -118,8 +119,11 @@ def _unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _eos_token_ids(eos: int | list[int] | None, tokenizer) -> tuple[int, ...]:
-    """`eos` (int or list), plus `<|im_end|>`'s id when the chat template ends turns with it."""
+    """`eos` (int or list), plus `<|im_end|>`'s id when the chat template ends turns with it
+    (without a tokenizer: `eos` alone)."""
     ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if tokenizer is None:
+        return tuple(int(i) for i in ids)
     template = getattr(tokenizer, "chat_template", None)
     im_end = tokenizer.get_vocab().get("<|im_end|>")
     if isinstance(template, str) and "<|im_end|>" in template and im_end is not None and im_end not in ids:
@@ -140,14 +144,27 @@ def _gguf_value(reader, key: str, default=None):
     return bytes(part).decode() if field.types[0] == gguf.GGUFValueType.STRING else part[0].item()
 
 
-def load_gguf(path: pathlib.Path, dtype) -> LoadedModel:
+def _gguf_reader(path: pathlib.Path):
+    """The file's `gguf.GGUFReader` (memory-mapped; parsing its metadata takes seconds, so the last one
+    read is kept for the load that follows `read_config`)."""
+    stat = path.stat()
+    return _cached_gguf_reader(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_gguf_reader(path: pathlib.Path, size: int, mtime_ns: int):
     import gguf
-    import transformers
 
     try:
-        reader = gguf.GGUFReader(path)
+        return gguf.GGUFReader(path)
     except Exception as e:  # bad magic, truncated file, ...
         raise ValueError(f"{path}: not a readable GGUF file ({' '.join(str(e).split())})") from e
+
+
+def gguf_config(path: pathlib.Path, reader=None, tokenizer=None) -> ModelConfig:
+    """The model's configuration from a GGUF file's metadata (no tensor is read). Without a
+    tokenizer, `eos_token_ids` holds the file's EOS token alone."""
+    reader = reader if reader is not None else _gguf_reader(path)
     arch = _gguf_value(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; expected 'llama'")
@@ -155,14 +172,12 @@ def load_gguf(path: pathlib.Path, dtype) -> LoadedModel:
     if meta("rope.scaling.type", "none") not in ("none", "linear") or meta("rope.scaling.factor", 1.0) != 1.0:
         raise ValueError(f"{path}: RoPE scaling is not supported")
     hidden, num_heads = meta("embedding_length"), meta("attention.head_count")
+    if hidden is None or num_heads is None or "tokenizer.ggml.tokens" not in reader.fields:
+        raise ValueError(f"{path}: incomplete GGUF metadata (no embedding length, head count or vocabulary)")
     head_dim = meta("attention.key_length", hidden // num_heads)
     if meta("attention.value_length", head_dim) != head_dim or meta("rope.dimension_count", head_dim) != head_dim:
         raise ValueError(f"{path}: partial RoPE or value_length != key_length is not supported")
-    tensor_names = {t.name for t in reader.tensors}
-
-    with contextlib.redirect_stderr(io.StringIO()):  # HF prints a progress bar while it re-reads the file
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    config = ModelConfig(
+    return ModelConfig(
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
         hidden_size=hidden,
         intermediate_size=meta("feed_forward_length"),
@@ -173,10 +188,24 @@ def load_gguf(path: pathlib.Path, dtype) -> LoadedModel:
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=meta("context_length", 2048),
-        tie_word_embeddings="output.weight" not in tensor_names,
+        tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
         bos_token_id=_gguf_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_token_ids(_gguf_value(reader, "tokenizer.ggml.eos_token_id"), tokenizer),
     )
+
+
+def load_gguf(path: pathlib.Path, dtype) -> LoadedModel:
+    import gguf
+    import transformers
+
+    reader = _gguf_reader(path)
+    gguf_config(path, reader)  # unsupported files fail here, before the tokenizer is read
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # HF prints a progress bar while it re-reads the file
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:  # noqa: BLE001 - a file the GGUF reader took but HF cannot tokenize from
+        raise ValueError(f"{path}: no usable tokenizer in the GGUF file ({' '.join(str(e).split())[:300]})") from e
+    config = gguf_config(path, reader, tokenizer)
 
     names = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
     names.update({f"blk.{i}.{g}.weight": f"layers.{i}.{leaf}"
@@ -201,14 +230,28 @@ def load_gguf(path: pathlib.Path, dtype) -> LoadedModel:
 
 # ---------------------------------------------------------------- HF checkpoint directory
 
-def load_hf_dir(path: pathlib.Path, dtype) -> LoadedModel:
-    import transformers
-    from safetensors import safe_open
+def _read_json(file: pathlib.Path) -> dict:
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: not a readable JSON file ({' '.join(str(e).split())})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
 
-    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+
+def hf_config(path: pathlib.Path, tokenizer=None) -> ModelConfig:
+    """The model's configuration from a HF directory's config.json (and generation_config.json for
+    the EOS tokens HF `generate` stops on). Without a tokenizer, `eos_token_ids` holds those alone."""
+    import transformers
+
+    model_type = _read_json(path / "config.json").get("model_type")
     if model_type != "llama":
         raise ValueError(f"{path}: model_type {model_type!r} is not supported; expected 'llama'")
-    hf = transformers.AutoConfig.from_pretrained(path)
+    try:
+        hf = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"{path / 'config.json'}: not a usable Llama config ({' '.join(str(e).split())})") from e
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     rope_theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
     if rope.get("rope_type", "default") != "default":
@@ -217,13 +260,8 @@ def load_hf_dir(path: pathlib.Path, dtype) -> LoadedModel:
         raise ValueError(f"{path}: attention/MLP biases are not supported")
     eos = hf.eos_token_id
     if (path / "generation_config.json").is_file():  # what HF `generate` stops on
-        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id", eos)
-
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: no usable tokenizer files ({' '.join(str(e).split())})") from e
-    config = ModelConfig(
+        eos = _read_json(path / "generation_config.json").get("eos_token_id", eos)
+    return ModelConfig(
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size,
@@ -239,18 +277,35 @@ def load_hf_dir(path: pathlib.Path, dtype) -> LoadedModel:
         eos_token_ids=_eos_token_ids(eos, tokenizer),
     )
 
+
+def load_hf_dir(path: pathlib.Path, dtype) -> LoadedModel:
+    import transformers
+    from safetensors import safe_open
+
+    hf_config(path)  # unsupported directories fail here, before the tokenizer is read
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: no usable tokenizer files ({' '.join(str(e).split())})") from e
+    config = hf_config(path, tokenizer)
+
     names = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
     names.update({f"model.layers.{i}.{h}.weight": f"layers.{i}.{leaf}"
                   for i in range(config.num_layers) for leaf, h in _HF_LAYER_NAMES.items()})
     tensors = {}
     for file in sorted(path.glob("*.safetensors")):  # every shard
-        with safe_open(file, framework="flax") as f:  # "flax": numpy has no bfloat16
-            for key in f.keys():
-                if key.endswith("rotary_emb.inv_freq"):  # recomputed from rope_theta
-                    continue
-                if key not in names:
-                    raise ValueError(f"{path}: unsupported tensor {key} in {file.name}")
-                tensors[names[key]] = np.asarray(f.get_tensor(key))
+        try:
+            with safe_open(file, framework="flax") as f:  # "flax": numpy has no bfloat16
+                for key in f.keys():
+                    if key.endswith("rotary_emb.inv_freq"):  # recomputed from rope_theta
+                        continue
+                    if key not in names:
+                        raise ValueError(f"{path}: unsupported tensor {key} in {file.name}")
+                    tensors[names[key]] = np.asarray(f.get_tensor(key))
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors' own errors: a truncated or corrupt file
+            raise ValueError(f"{file}: not a readable safetensors file ({' '.join(str(e).split())[:300]})") from e
     try:
         params = _to_params(config, tensors, dtype)
     except ValueError as e:
