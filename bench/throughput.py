@@ -1,10 +1,11 @@
 """Throughput and latency: PagedAttention vs the Orca baselines, in the same engine (paper, 6.2, Fig. 12).
 
 Every system is the real `LLMEngine` on the real default model (SmolLM2-135M, float32) with the
-same scheduler, kernels and KV pool; only memory management differs (`EngineConfig.kv_policy`):
-paged blocks, or one contiguous buddy run per request sized by Orca(Max) / Orca(Pow2) /
-Orca(Oracle) (`jpaged.reservation.OrcaBlockManager`). One `ModelRunner` (parameters, KV pool,
-compiled step shapes) serves every run, so a shape compiles once.
+same scheduler, kernels and KV pool; only memory management differs (the engine's
+`kv_cache_manager`): paged blocks, or one contiguous buddy run per request sized by Orca(Max) /
+Orca(Pow2) / Orca(Oracle) (`bench.baselines.orca`: they know each request's output length through
+an oracle, and run without the scheduler's watermark). One `ModelRunner` (parameters, KV pool,
+compiled step shapes) serves every run (`LLMEngine(..., runner=...)`), so a shape compiles once.
 
 Workload: token-id prompts of exact lengths drawn from `bench/traces.py` (log-normal fits of the
 paper's ShareGPT / Alpaca means), `SamplingParams(temperature=0, max_tokens=output_len,

@@ -154,7 +154,7 @@ def test_abort_returns_every_block(default_model, prompts, where):
     llm = LLM(loaded=default_model, num_blocks=32, preemption_mode="swap", swap_space=0.25, max_num_seqs=8)
     engine = llm.engine
     for i, prompt in enumerate(chat(llm, prompts[:8])):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, n=2))
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.8, seed=i, max_tokens=32, ignore_eos=True, n=2))
     scheduler = engine.scheduler
     for _ in range(100):
         engine.step()

@@ -174,3 +174,20 @@ def test_swap_needs_a_manager_that_swaps():
     for bad in (dict(watermark=1.0), dict(max_num_seqs=0), dict(preemption_mode="drop")):
         with pytest.raises(ValueError):
             SchedulerConfig(**bad)
+
+
+def test_a_recomputed_group_that_can_never_come_back_ends_with_length():
+    h = Harness(num_blocks=9, mode="recompute")  # 8 usable blocks of 4
+    a = h.add("a", 6, arrival=0.0)  # 2 blocks
+    g = h.add("g", 7, n=4, max_tokens=20, arrival=1.0)  # one shared 2-block prompt, four samples
+    h.step()
+    for _ in range(2):  # each sample writes its own copy of the last block, a grows: g is preempted
+        out = h.step()
+    assert names(out.preempted) == ["g"] and names(h.scheduler.waiting) == ["g"]
+    h.scheduler.finish_group(a)  # the pool is empty; g's four samples re-prefill unshared: 4 x 3 > 8 blocks
+    out = h.step()
+    assert names(out.finished) == ["g"] and not out.rows
+    assert g.status is GroupStatus.FINISHED and {s.finish_reason for s in g.seqs} == {"length"}
+    assert all(len(s.output_token_ids) == 2 for s in g.seqs)  # what it generated is kept
+    assert not h.scheduler.has_unfinished() and h.scheduler.block_manager.num_free_blocks == 8
+

@@ -216,6 +216,10 @@ class OrcaKVCacheManager:
             manager = manager.release(seq_id)
         return dataclasses.replace(self, reservations=manager, _seqs=seqs)
 
+    def forget_cached(self) -> OrcaKVCacheManager:
+        """Nothing is cached under contiguous reservation: the same snapshot."""
+        return self
+
     # ---- checks and reporting ------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Assert every invariant of the class docstring."""

@@ -276,6 +276,18 @@ class BlockManager:
                 edit.release(block_id, cpu=seq.swapped)
         return edit.snapshot()
 
+    def forget_cached(self) -> BlockManager:
+        """Every cached-free block becomes a plain free block and leaves the prefix cache (when the
+        device pool's contents are lost). Raises ValueError while a running sequence holds a block."""
+        if any(not self._seq(s).swapped for s in self._seqs):
+            raise ValueError("forget_cached: running sequences still hold device blocks; free them first")
+        edit = _Edit(self)
+        while edit.evictable:
+            block_id = edit.evictable.popleft()
+            del edit.cached[edit.block_hashes.pop(block_id)]
+            edit.free.append(block_id)
+        return edit.snapshot()
+
     def swap_out(self, seq_ids: Sequence[SeqId]) -> tuple[BlockManager, DeviceOps]:
         """Move running sequences' blocks to the CPU pool; a block shared among them moves once."""
         return self._swap(seq_ids, to_cpu=True)

@@ -131,6 +131,10 @@ class KVCacheManager(Protocol):
     def free(self, seq_ids: Sequence[SeqId]) -> KVCacheManager:
         """Drops sequences, running or swapped out, releasing what they alone held."""
 
+    def forget_cached(self) -> KVCacheManager:
+        """Forgets what free device blocks hold (a prefix cache): called when the device pool's
+        contents were lost. Sequences still holding device blocks must have been freed first."""
+
     def stats(self) -> dict:
         """At least num_blocks, num_free_blocks, num_used_blocks, num_cached_blocks,
         num_cached_free_blocks, refcount_histogram, num_cpu_blocks, num_used_cpu_blocks, num_seqs,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Sequence
 
 
@@ -36,22 +37,39 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
+               f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        _check(isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) for t in self.stop_token_ids),
+               f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        _check(self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
+        _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0,
+               f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**32),
                f"seed must be None or an integer in [0, 2**32), got {self.seed!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
-        _check(isinstance(self.beam_width, int) and self.beam_width >= 1, f"beam_width must be an integer >= 1, got {self.beam_width!r}")
-        _check(self.beam_width == 1 or self.n == 1, "use either n > 1 (sampling) or beam_width > 1 (beam search), not both")
-        _check(self.beam_width == 1 or not self.stop, "stop strings are not supported with beam search: use stop_token_ids")
-        _check(self.early_stopping in (True, False, "never"), f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        _check(_is_int(self.beam_width) and self.beam_width >= 1,
+               f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        _check(_is_number(self.length_penalty), f"length_penalty must be a number, got {self.length_penalty!r}")
+        _check(self.early_stopping in (True, False, "never"),
+               f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        if self.use_beam_search:
+            _check(self.n == 1, "use either n > 1 (sampling) or beam_width > 1 (beam search), not both")
+            _check(not self.stop, "stop strings are not supported with beam search: use stop_token_ids")
+            _check(self.temperature in (0, 1) and self.top_p == 1 and self.top_k == 0,
+                   "beam search is deterministic: temperature, top_p and top_k do not apply to it (leave them "
+                   f"at their defaults), got temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}")
+        else:
+            _check(self.n == 1 or self.temperature > 0,
+                   f"n={self.n} with temperature=0 (greedy) gives {self.n} identical samples: set temperature > 0, "
+                   "or n=1")
 
     @property
     def use_beam_search(self) -> bool:
@@ -62,6 +80,14 @@ class SamplingParams:
         """How many top log-probabilities the sampler must return for this request."""
         need = 2 * self.beam_width if self.use_beam_search else 1
         return max(need, self.logprobs or 0)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -93,6 +93,7 @@ class SequenceGroup:
     finished_time: Optional[float] = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
+    error: Optional[str] = None  # why a step that ran it failed (its sequences then finish with "error")
 
     @property
     def is_finished(self) -> bool:

@@ -141,6 +141,16 @@ class ModelRunner:
         """Every executable built so far, by (name, static options, argument shapes): read-only."""
         return types.MappingProxyType(self._executables)
 
+    @property
+    def pool_lost(self) -> bool:
+        """Whether the KV pool's buffers are gone: an executable that took them donated failed."""
+        return self.cache.k.is_deleted() or self.cache.v.is_deleted()
+
+    def reset_pool(self) -> None:
+        """A new, zeroed KV pool of the same shape (after `pool_lost`)."""
+        k = self.cache.k
+        self.cache = KVCache(k=jnp.zeros(k.shape, k.dtype), v=jnp.zeros(k.shape, k.dtype))
+
     def take_calls(self) -> tuple[DeviceCall, ...]:
         """The timed executable runs since the last call, oldest first."""
         calls, self._calls = tuple(self._calls), []

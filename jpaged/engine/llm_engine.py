@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from typing import Callable, Optional, Sequence as Seq
@@ -31,15 +32,16 @@ from jpaged.core.sampling_params import SamplingParams
 from jpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jpaged.core.sequence import Sequence, SequenceGroup
 from jpaged.device.attention import get_backend
-from jpaged.device.kv_cache import bytes_per_block, num_blocks_for_memory, parse_memory_size
-from jpaged.device.params import cast_params
+from jpaged.device.kv_cache import bytes_per_block, check_pool_fits, num_blocks_for_memory, parse_memory_size
+from jpaged.device.params import cast_params, num_params
 from jpaged.device.runner import ModelRunner, SampleRow
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.observer import StepObserver, StepRecord
 from jpaged.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jpaged.weights import LoadedModel, load_model
+from jpaged.weights import LoadedModel, load_model, read_config
 
 KVCacheManagerFactory = Callable[[KVCacheSpec], KVCacheManager]
+logger = logging.getLogger("jpaged")
 
 
 class LLMEngine:
@@ -56,14 +58,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig = EngineConfig(), *, loaded: Optional[LoadedModel] = None,
                  runner: Optional[ModelRunner] = None, kv_cache_manager: Optional[KVCacheManagerFactory] = None,
                  **overrides):
-        config = dataclasses.replace(config, **overrides)
+        config = dataclasses.replace(config, **overrides)  # every field checked: nothing is loaded yet
         self.config = config
         dtype = config.jnp_dtype
-        if loaded is not None and loaded.params.embed.dtype != dtype:
-            loaded = dataclasses.replace(loaded, params=cast_params(loaded.params, dtype))
-        self.model = loaded if loaded is not None else load_model(config.model, dtype=dtype)
-        self.tokenizer = self.model.tokenizer
-        model_config = self.model.config
+        backend = None if runner is not None else get_backend(config.attention_backend, interpret=config.interpret)
+        # the pool is sized and checked against the memory there is before any weight is read
+        model_config = loaded.config if loaded is not None else read_config(config.model)
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         num_blocks = config.num_blocks or num_blocks_for_memory(
@@ -74,6 +74,17 @@ class LLMEngine:
         num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block(model_config, config.block_size, dtype))
         if config.preemption_mode == "swap":
             num_cpu_blocks = min(max(num_cpu_blocks, 1), num_blocks)  # never needs more than the device pool
+        if runner is None:  # a new pool, and the parameters still to be placed (the runner's tied LM head copy too)
+            itemsize = np.dtype(dtype).itemsize
+            params_bytes = itemsize * ((num_params(model_config) if loaded is None else 0)
+                                       + (model_config.vocab_size * model_config.hidden_size
+                                          if model_config.tie_word_embeddings else 0))
+            check_pool_fits(model_config, config.block_size, dtype, num_blocks, num_cpu_blocks, params_bytes)
+        if loaded is not None and loaded.params.embed.dtype != dtype:
+            loaded = dataclasses.replace(loaded, params=cast_params(loaded.params, dtype))
+        self.model = loaded if loaded is not None else load_model(config.model, dtype=dtype)
+        self.tokenizer = self.model.tokenizer
+        model_config = self.model.config
         self.kv_cache_spec = KVCacheSpec(num_blocks=num_blocks, block_size=config.block_size,
                                          num_cpu_blocks=num_cpu_blocks,
                                          enable_prefix_caching=config.enable_prefix_caching,
@@ -87,7 +98,7 @@ class LLMEngine:
         if runner is None:
             runner = ModelRunner(model_config, self.model.params, num_blocks=num_blocks,
                                  block_size=config.block_size, dtype=dtype, num_cpu_blocks=num_cpu_blocks,
-                                 backend=get_backend(config.attention_backend, interpret=config.interpret))
+                                 backend=backend)
         else:
             _check_runner(runner, model_config, self.kv_cache_spec, dtype)
         self.runner = runner
@@ -150,6 +161,11 @@ class LLMEngine:
         if (params.n > 1 or params.use_beam_search) and not isinstance(manager, ForkingKVCacheManager):
             raise ValueError(f"this engine's KV cache manager ({type(manager).__name__}) cannot share "
                              "blocks between sequences: use n=1 without beam search")
+        width = params.beam_width if params.use_beam_search else params.n
+        if width > self.config.max_num_seqs:
+            raise ValueError(f"{'beam_width' if params.use_beam_search else 'n'}={width} is more sequences than the "
+                             f"engine runs at once (max_num_seqs={self.config.max_num_seqs}): lower it or raise "
+                             "max_num_seqs")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise ValueError(f"prompt is {n} tokens but the model's context is {self.max_model_len}: "
@@ -200,7 +216,10 @@ class LLMEngine:
         progressed = {g.request_id: g for g in aborted + out.finished}
         shape, num_padded, num_sampled = None, 0, 0
         if out.rows:
-            shape, num_padded, num_sampled = self._execute(out)
+            try:
+                shape, num_padded, num_sampled = self._execute(out)
+            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
+                progressed.update((g.request_id, g) for g in self._fail(out, e))
             progressed.update((g.request_id, g) for g in out.groups)
         results = [self._request_output(g) for g in progressed.values()]
         for group in progressed.values():
@@ -282,6 +301,21 @@ class LLMEngine:
                 self.scheduler.finish_group(group)
         return inputs.shape_key, int(inputs.token_ids.shape[0]), len(targets)
 
+    def _fail(self, out: SchedulerOutput, e: Exception) -> list[SequenceGroup]:
+        """A step raised: the requests it ran fail with the error (their blocks come back); if the
+        device pool was lost with it (a donated pool consumed by a failed executable), a new one is
+        made and every running request fails too, its K/V having been there. Returns the groups failed
+        besides the step's own."""
+        error = f"{type(e).__name__}: {' '.join(str(e).split())}"[:500]
+        logger.error("a step failed, failing the %d requests it ran: %s", len(out.groups), error)
+        for group in out.groups:
+            if not group.is_finished:
+                self.scheduler.fail(group, error)
+        if not self.runner.pool_lost:
+            return []
+        self.runner.reset_pool()
+        return self.scheduler.lose_device_blocks(f"the KV pool was lost in a failed step ({error})")
+
     def _beam_step(self, group: SequenceGroup, beams: list) -> None:
         """Applies one step of beam search: forks for parents chosen more than once, frees the beams
         not chosen, appends the chosen tokens."""
@@ -341,7 +375,7 @@ class LLMEngine:
         metrics = RequestMetrics(group.arrival_time, group.first_scheduled_time, group.first_token_time,
                                  group.finished_time, group.num_preemptions, group.num_cached_tokens)
         return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids), self._completions(group),
-                             group.is_finished, metrics)
+                             group.is_finished, metrics, group.error)
 
     def _record_usage(self) -> None:
         """Peak used blocks, and KV utilization: token slots holding K/V over the slots of the device

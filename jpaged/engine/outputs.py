@@ -12,7 +12,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float
-    finish_reason: Optional[str]  # "stop", "length", "abort" or None while running
+    finish_reason: Optional[str]  # "stop", "length", "abort", "error" (see RequestOutput.error) or None while running
     logprobs: Optional[list[dict[int, float]]] = None
 
 
@@ -36,11 +36,13 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: Optional[str] = None  # why the request failed (a step that ran it raised), else None
 
     def to_json(self) -> dict:
         return {
             "request_id": self.request_id,
             "prompt": self.prompt,
+            "error": self.error,
             "outputs": [{"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
                          "cumulative_logprob": o.cumulative_logprob} for o in self.outputs],
         }

@@ -8,6 +8,7 @@ to stderr otherwise. Bad input: a one-line `error: ...` on stderr and exit statu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -37,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="of the weights and the KV pool")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "xla"],
                    help="auto: the Pallas kernels on a GPU, the XLA path elsewhere")
+    g.add_argument("--interpret", action="store_true",
+                   help="run the Pallas kernels in the Pallas interpreter (slow: for checking them on a CPU)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once, at most")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="prompt tokens a prefill step computes, at most (default: max(context, 2048))")
@@ -94,28 +97,38 @@ def read_prompts(args) -> list[str]:
 
 def generate(args) -> int:
     from jpaged.core.sampling_params import SamplingParams
+    from jpaged.engine import EngineConfig
     from jpaged.entrypoints.llm import LLM
 
-    prompts = read_prompts(args)
+    texts = read_prompts(args)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, beam_width=args.beam_width)
+    config = EngineConfig(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
+                          kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+                          attention_backend=args.attention_backend, interpret=args.interpret,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          preemption_mode=args.preemption_mode,
+                          swap_space=args.swap_space if args.preemption_mode == "swap" else 0.0,
+                          enable_prefix_caching=args.enable_prefix_caching)  # every option checked: nothing loaded yet
+    status = _Status(sys.stderr.isatty())
+    status.say(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
-              kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, attention_backend=args.attention_backend,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              preemption_mode=args.preemption_mode, swap_space=args.swap_space if args.preemption_mode == "swap" else 0.0,
-              enable_prefix_caching=args.enable_prefix_caching)
+    llm = LLM(**dataclasses.asdict(config))
     load_s = time.perf_counter() - t0
+    status.say(f"loaded in {load_s:.1f} s; generating (each new step shape compiles once, first) ...")
+    prompts = texts
     if not args.no_chat_template:
         if llm.tokenizer.chat_template is None:
             raise ValueError("this model has no chat template: pass --no-chat-template")
-        prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
+        prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in texts]
     engine = llm.engine
+    engine.add_observer(status.observe)
     stream = len(prompts) == 1 and args.n == 1 and args.beam_width == 1 and not args.json
     if stream:
-        outputs = [_stream(llm, prompts[0], params)]
+        outputs = [_stream(llm, prompts[0], params, status)]
     else:
         outputs = llm.generate(prompts, params, use_tqdm=not args.json and sys.stderr.isatty())
+    status.done()
     elapsed = llm.last_run["elapsed_s"]
     stats = engine.stats()
     output_tokens = sum(len(o.token_ids) for r in outputs for o in r.outputs)
@@ -130,8 +143,8 @@ def generate(args) -> int:
         "load_s": round(load_s, 3),
     }
     if args.json:
-        for r in outputs:
-            print(json.dumps(r.to_json()))
+        for text, r in zip(texts, outputs):
+            print(json.dumps({**r.to_json(), "prompt": text}))  # the text given, not the chat-templated prompt
         print(json.dumps({"summary": summary}))
     else:
         if not stream:
@@ -147,7 +160,30 @@ def generate(args) -> int:
     return 0
 
 
-def _stream(llm, prompt, params):
+class _Status:
+    """What the CLI is doing, on stderr at a terminal only (loading, compiling), until the first
+    output: a terminal never sits silent for the seconds those take, and piped output stays clean."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.compile_s, self.num_compiled = 0.0, 0
+
+    def say(self, message: str) -> None:
+        if self.enabled:
+            print(f"[jpaged] {message}", file=sys.stderr, flush=True)
+
+    def observe(self, record) -> None:
+        """A step observer: reports the step shapes compiled so far."""
+        if record.compiled:
+            self.compile_s += record.compile_seconds
+            self.num_compiled += sum(c.compile_seconds > 0 for c in record.calls)
+            self.say(f"compiled {self.num_compiled} executables ({self.compile_s:.1f} s)")
+
+    def done(self) -> None:
+        self.enabled = False
+
+
+def _stream(llm, prompt, params, status):
     """Runs one request, printing its text as it grows; returns its final RequestOutput."""
     engine = llm.engine
     engine.add_request("0", prompt, params)
@@ -157,6 +193,8 @@ def _stream(llm, prompt, params):
     while engine.has_unfinished():
         for out in engine.step():
             text = out.outputs[0].text
+            if text:
+                status.done()  # the text has begun: no status line in its middle
             sys.stdout.write(text[printed:])
             sys.stdout.flush()
             printed = len(text)

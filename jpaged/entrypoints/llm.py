@@ -45,6 +45,9 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1) or (
                 isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]  # one prompt, not a batch
+        if self.engine.has_unfinished():
+            raise ValueError("the engine has requests in flight that generate() did not queue (engine.add_request): "
+                             "run them with engine.step() or abort them first, or use another LLM")
         prompts = list(prompts)
         params = as_list(sampling_params, len(prompts))
         for i, (prompt, p) in enumerate(zip(prompts, params)):
