@@ -106,10 +106,12 @@ class ModelRunner:
         self.prefill_q_tile = prefill_q_tile
         self.prefill_k_tile = block_size * max(1, prefill_key_tile // block_size)  # whole blocks
         self.decode_k_tile = block_size * max(1, decode_key_tile // block_size)
-        self.cache = KVCache.create(config, num_blocks, block_size, dtype)
+        self.kv_dtype = jnp.dtype(dtype)  # the pool's dtype (stored as `backend.storage_dtype` says)
+        storage = backend.storage_dtype(dtype)
+        self.cache = KVCache.create(config, num_blocks, block_size, storage)
         cpu_shape = (config.num_layers, num_cpu_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.cpu_k = np.zeros(cpu_shape, np.dtype(dtype))
-        self.cpu_v = np.zeros(cpu_shape, np.dtype(dtype))
+        self.cpu_k = np.zeros(cpu_shape, np.dtype(storage))
+        self.cpu_v = np.zeros(cpu_shape, np.dtype(storage))
         step = functools.partial(_step, config=config, backend=backend)
         self._jits = {
             "prefill_step": jax.jit(step, donate_argnums=(1,)),

@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Callable, Optional, Sequence as Seq
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jpaged.core import beam_search
@@ -60,7 +62,10 @@ class LLMEngine:
                  **overrides):
         config = dataclasses.replace(config, **overrides)  # every field checked: nothing is loaded yet
         self.config = config
-        dtype = config.jnp_dtype
+        dtype = config.jnp_dtype  # the KV pool's
+        # XLA's CPU matmuls in 16 bits are several times slower than in float32: there the parameters
+        # and the computation stay float32, and a 16-bit dtype is the pool's alone (bench/README.md)
+        self.param_dtype = jnp.float32 if jax.default_backend() == "cpu" else dtype
         backend = None if runner is not None else get_backend(config.attention_backend, interpret=config.interpret)
         # the pool is sized and checked against the memory there is before any weight is read
         model_config = loaded.config if loaded is not None else read_config(config.model)
@@ -75,14 +80,14 @@ class LLMEngine:
         if config.preemption_mode == "swap":
             num_cpu_blocks = min(max(num_cpu_blocks, 1), num_blocks)  # never needs more than the device pool
         if runner is None:  # a new pool, and the parameters still to be placed (the runner's tied LM head copy too)
-            itemsize = np.dtype(dtype).itemsize
+            itemsize = np.dtype(self.param_dtype).itemsize
             params_bytes = itemsize * ((num_params(model_config) if loaded is None else 0)
                                        + (model_config.vocab_size * model_config.hidden_size
                                           if model_config.tie_word_embeddings else 0))
             check_pool_fits(model_config, config.block_size, dtype, num_blocks, num_cpu_blocks, params_bytes)
-        if loaded is not None and loaded.params.embed.dtype != dtype:
-            loaded = dataclasses.replace(loaded, params=cast_params(loaded.params, dtype))
-        self.model = loaded if loaded is not None else load_model(config.model, dtype=dtype)
+        if loaded is not None and loaded.params.embed.dtype != self.param_dtype:
+            loaded = dataclasses.replace(loaded, params=cast_params(loaded.params, self.param_dtype))
+        self.model = loaded if loaded is not None else load_model(config.model, dtype=self.param_dtype)
         self.tokenizer = self.model.tokenizer
         model_config = self.model.config
         self.kv_cache_spec = KVCacheSpec(num_blocks=num_blocks, block_size=config.block_size,
@@ -143,6 +148,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("prompt is empty: give at least one non-blank character")
+            prompt = valid_text(prompt)
             return prompt, list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, (list, tuple, np.ndarray)) and all(isinstance(t, (int, np.integer)) for t in prompt):
             ids = [int(t) for t in prompt]
@@ -197,7 +203,12 @@ class LLMEngine:
             self._new.append(group)
 
     def abort(self, request_id: str) -> None:
+        """Ends a request wherever it is, at the next step (its outputs then finish with "abort").
+        Raises ValueError for an id that is not in flight (never added, or already finished)."""
         with self._lock:
+            if str(request_id) not in self._request_ids:
+                raise ValueError(f"no request {request_id!r} in flight to abort: it finished already or was never "
+                                 "added")
             self._aborts.append(str(request_id))
 
     def has_unfinished(self) -> bool:
@@ -222,9 +233,8 @@ class LLMEngine:
                 progressed.update((g.request_id, g) for g in self._fail(out, e))
             progressed.update((g.request_id, g) for g in out.groups)
         results = [self._request_output(g) for g in progressed.values()]
-        for group in progressed.values():
-            if group.is_finished:
-                self._request_ids.discard(group.request_id)
+        with self._lock:
+            self._request_ids.difference_update(g.request_id for g in progressed.values() if g.is_finished)
         calls = self.runner.take_calls()
         compile_s = sum(c.compile_seconds for c in calls)
         seconds = time.perf_counter() - start - compile_s
@@ -413,9 +423,20 @@ class LLMEngine:
         }
 
 
+def valid_text(text: str) -> str:
+    """`text` with every code point that UTF-8 cannot encode (a lone surrogate, as `json` or a
+    broken decoder can leave) replaced by U+FFFD; a surrogate pair becomes its character. Control
+    characters stay: they are text too."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def _check_runner(runner: ModelRunner, model_config, spec: KVCacheSpec, dtype) -> None:
     """A runner given to an engine must be for its model and hold pools of its geometry."""
-    have = (runner.config, runner.num_blocks, runner.block_size, runner.num_cpu_blocks, runner.cache.k.dtype)
+    have = (runner.config, runner.num_blocks, runner.block_size, runner.num_cpu_blocks, runner.kv_dtype)
     want = (model_config, spec.num_blocks, spec.block_size, spec.num_cpu_blocks, np.dtype(dtype))
     names = ("model config", "num_blocks", "block_size", "num_cpu_blocks", "dtype")
     for name, a, b in zip(names, have, want):

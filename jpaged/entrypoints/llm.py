@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from jpaged.core.sampling_params import as_list
 from jpaged.engine import EngineConfig, LLMEngine, RequestOutput
+from jpaged.engine.llm_engine import valid_text
 from jpaged.weights import LoadedModel
 
 
@@ -78,8 +79,10 @@ class LLM:
         return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
 
     def apply_chat_template(self, conversation, add_generation_prompt: bool = True) -> str:
-        if not conversation or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conversation):
-            raise ValueError("a conversation is a non-empty list of {'role': ..., 'content': ...} messages")
+        if not conversation or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                       and isinstance(m.get("content"), str) for m in conversation):
+            raise ValueError("a conversation is a non-empty list of {'role': str, 'content': str} messages")
+        conversation = [{**m, "content": valid_text(m["content"])} for m in conversation]
         return self.tokenizer.apply_chat_template(conversation, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 

@@ -8,6 +8,9 @@ the stacked pool `f[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`
   attend(q, k_pool, v_pool, layer, inputs, scale)       -> out
   copy_blocks(k_pool, v_pool, pairs)                     -> (k_pool, v_pool)
 
+A backend also says how it stores a pool of a given dtype (`storage_dtype`). The pool's dtype
+may be narrower than the compute dtype (`q`'s): a 16-bit pool under float32 compute on a CPU.
+
 Query layout: `q f[N, num_heads, head_dim]`, the packed new tokens of a
 `jpaged.device.batch.ModelInputs`; the token at absolute position p of a row may attend to every
 cached position <= p of that row. This one rule covers decode (one token per row), prefill and
@@ -33,6 +36,9 @@ class AttentionBackend(Protocol):
     """See the module docstring. `name` is the backend's name in `BACKENDS`."""
 
     name: str
+
+    def storage_dtype(self, dtype):
+        """The dtype a KV pool of `dtype` is stored in (the same, or a backend's own encoding of it)."""
 
     def write_kv(self, k_pool, v_pool, layer, k, v, slot_mapping): ...
 

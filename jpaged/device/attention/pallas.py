@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import pallas_kernels
 
 from jpaged.device.attention.xla import xla_attend
@@ -20,6 +21,9 @@ from jpaged.device.attention.xla import xla_attend
 class PallasBackend:
     interpret: bool = False
     name: str = "pallas"
+
+    def storage_dtype(self, dtype):
+        return jnp.dtype(dtype)  # the kernels read bfloat16 pools natively
 
     def write_kv(self, k_pool, v_pool, layer, k, v, slot_mapping):
         return pallas_kernels.write_kv(k_pool, v_pool, k, v, slot_mapping, layer=layer, interpret=self.interpret)
