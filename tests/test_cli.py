@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from jpaged.device.runner import DeviceCall, ModelRunner
 from jpaged.engine import llm_engine
 from jpaged.entrypoints import cli
 
@@ -43,6 +44,20 @@ REAL_LOAD_MODEL = llm_engine.load_model
     (["   "], "empty"),
     (["hi", "--num-blocks", "3", "--block-size", "4"], "blocks"),
     (["word " * 9000, "--no-chat-template"], "context"),
+    (["hi", "--n", "3"], "3 identical samples: set temperature > 0"),
+    (["hi", "--beam-width", "3", "--temperature", "0.8"], "beam search is deterministic"),
+    (["hi", "--n", "0"], "n must be an integer >= 1"),
+    (["hi", "--beam-width", "0"], "beam_width must be an integer >= 1"),
+    (["hi", "--seed", "-2"], "seed must be None or an integer"),
+    (["hi", "--kv-cache-memory", "lots"], "cannot read memory size 'lots'"),
+    (["hi", "--kv-cache-memory", "0GB"], "cannot read memory size '0GB'"),
+    (["hi", "--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1, got 0"),
+    (["hi", "--max-num-batched-tokens", "0"], "max_num_batched_tokens must be an integer >= 1"),
+    (["hi", "--swap-space", "-1", "--preemption-mode", "swap"], "swap_space must be >= 0"),
+    (["hi", "--num-blocks", "100000000"], "at most"),
+    (["hi", "--kv-cache-memory", "1000TB"], "lower num_blocks / --num-blocks or kv_cache_memory"),
+    (["hi", "--attention-backend", "pallas"], "use attention_backend='auto' or 'xla' here"),
+    (["hi", "--n", "300", "--temperature", "0.5"], "max_num_seqs=256"),
 ])
 def test_bad_input_exits_2_with_one_line(run_cli, argv, message):
     code, out, err = run_cli(*argv, "--max-tokens" if "--max-tokens" not in argv else "--json", *(
@@ -52,6 +67,57 @@ def test_bad_input_exits_2_with_one_line(run_cli, argv, message):
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert message in lines[0]
     assert "Traceback" not in err and out == ""
+
+
+def test_options_are_checked_before_the_model_loads(run_cli, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(llm_engine, "load_model", no_load)
+    for argv in (["--max-num-seqs", "0"], ["--kv-cache-memory", "2XB"], ["--num-blocks", "100000000"],
+                 ["--kv-cache-memory", "1TiB"], ["--n", "2"]):
+        code, _, err = run_cli("hi", *argv)
+        assert code == 2 and err.startswith("error: ") and "Traceback" not in err, err
+
+
+def test_memory_sizes_in_every_unit_and_terabytes():
+    from jpaged.device.kv_cache import parse_memory_size
+
+    assert parse_memory_size("1TiB") == 2**40 and parse_memory_size("1TB") == 10**12
+    assert parse_memory_size("1T") == 2**40 and parse_memory_size(" 2.5 GiB ") == int(2.5 * 2**30)
+    assert parse_memory_size("512MB") == 512 * 10**6 and parse_memory_size(4096) == 4096
+    for bad in ("", "1.2.3GB", "-1GB", "0", "5XB", 0, True, "GB"):
+        with pytest.raises(ValueError, match="cannot read memory size"):
+            parse_memory_size(bad)
+
+
+def test_status_at_a_terminal_only(capsys):
+    from jpaged.engine.observer import StepRecord
+
+    for at_terminal in (True, False):
+        status = cli._Status(at_terminal)
+        status.say("loading the model ...")
+        record = StepRecord(0, "prefill", 1, 3, 16, 1, None, (DeviceCall("prefill_step", (), 0.1, 0.1, 2.5),),
+                            None, 0.1, 0.1, 2.5, None, 0, 1, 0, (), ())
+        status.observe(record)
+        status.done()
+        status.say("nothing after the first output")
+        err = capsys.readouterr().err
+        if at_terminal:
+            assert err.splitlines() == ["[jpaged] loading the model ...", "[jpaged] compiled 1 executables (2.5 s)"]
+        else:
+            assert err == ""
+
+
+def test_a_request_that_fails_in_a_step_exits_1(run_cli, monkeypatch):
+    def fail(self, inputs, *, decode):
+        raise RuntimeError("injected into the model step")
+
+    monkeypatch.setattr(ModelRunner, "run_step", fail)
+    code, out, err = run_cli("hi", "--max-tokens", "4", "--json", "--num-blocks", "16")
+    assert code == 1
+    assert json.loads(out.splitlines()[0])["error"] == "RuntimeError: injected into the model step"
+    assert err.strip().splitlines()[-1] == "error: request 0 failed: RuntimeError: injected into the model step"
 
 
 def test_not_a_model_directory(run_cli, tmp_path):
@@ -67,7 +133,7 @@ def test_json_output_in_input_order(run_cli):
     lines = [json.loads(line) for line in out.strip().splitlines()]
     assert len(lines) == len(prompts) + 1
     for i, (record, prompt) in enumerate(zip(lines, prompts)):
-        assert record["request_id"] == str(i) and prompt in record["prompt"]  # chat template wraps it
+        assert record["request_id"] == str(i) and record["prompt"] == prompt  # the text given, not the template
         (o,) = record["outputs"]
         assert 1 <= len(o["token_ids"]) <= 8 and o["finish_reason"] in ("stop", "length")
         assert o["cumulative_logprob"] < 0

@@ -4,6 +4,7 @@ checkpoint directories, bad paths."""
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import jax
 import jax.numpy as jnp
@@ -206,3 +207,82 @@ def test_missing_default_model(monkeypatch):
         with pytest.raises(ValueError, match="not installed") as e:
             call()
         assert loader.DEFAULT_MODEL_INSTALL in str(e.value)
+
+
+# ---------------------------------------------------------------- corrupt files: a clear error naming the file
+
+def tiny_hf_dir(path, tokenizer, **overrides):
+    config = dict(vocab_size=tokenizer.vocab_size + len(tokenizer.get_added_vocab()), hidden_size=16,
+                  intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                  max_position_embeddings=64)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, **overrides})).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def assert_names(error, path) -> None:
+    message = str(error.value)
+    assert str(path) in message and "\n" not in message and "Traceback" not in message, message
+
+
+@pytest.mark.parametrize("keep", [16, 4096, 1 << 20, 40 << 20])
+def test_a_truncated_gguf_file(default_model_path, tmp_path, keep):
+    path = tmp_path / "cut.gguf"
+    with open(default_model_path, "rb") as f:
+        path.write_bytes(f.read(keep))
+    for call in (weights.read_config, weights.load_model):
+        with pytest.raises(ValueError) as e:
+            call(path)
+        assert_names(e, path)
+
+
+def test_a_model_directory_with_a_broken_config(default_model, tmp_path):
+    hf = tiny_hf_dir(tmp_path / "hf", default_model.tokenizer)
+    (hf / "config.json").write_text('{"model_type": "llama", "hidden_size": ')  # cut short
+    for call in (weights.read_config, weights.load_model):
+        with pytest.raises(ValueError, match="not a readable JSON file") as e:
+            call(hf)
+        assert_names(e, hf / "config.json")
+    (hf / "config.json").write_text('["a list"]')
+    with pytest.raises(ValueError, match="expected a JSON object") as e:
+        weights.load_model(hf)
+    (hf / "config.json").unlink()  # missing: not a model directory any more
+    with pytest.raises(ValueError, match="expected a .gguf file or a directory with config.json") as e:
+        weights.load_model(hf)
+    assert_names(e, hf)
+
+
+def test_a_model_directory_with_a_truncated_or_mismatched_weights_file(default_model, tmp_path):
+    hf = tiny_hf_dir(tmp_path / "hf", default_model.tokenizer)
+    weights_file = hf / "model.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="not a readable safetensors file") as e:
+        weights.load_model(hf)
+    assert_names(e, weights_file)
+    hf = tiny_hf_dir(tmp_path / "hf2", default_model.tokenizer)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))  # the tensors say 32
+    with pytest.raises(ValueError, match=r"tensor layers.0.w_gate has shape \(32, 16\), expected \(48, 16\)") as e:
+        weights.load_model(hf)
+    assert_names(e, hf)
+
+
+def test_a_checkpoint_with_a_broken_manifest_or_parameters(default_model, tmp_path):
+    path = checkpoint.save(default_model, tmp_path / "ckpt")
+    manifest = path / checkpoint.MANIFEST
+    good = manifest.read_text()
+    for text, match in (("{not json", "not a readable jpaged checkpoint manifest"),
+                        ('{"format": "other"}', "not a jpaged checkpoint manifest"),
+                        (good.replace('"version": 1', '"version": 99'), "checkpoint version 99, expected 1"),
+                        (good.replace('"num_layers"', '"layers"'), "a malformed model config")):
+        manifest.write_text(text)
+        with pytest.raises(ValueError, match=match) as e:
+            weights.load_model(path)
+        assert_names(e, manifest)
+    manifest.write_text(good)
+    for array in (path / "params").rglob("*"):  # the saved arrays, cut short
+        if array.is_file() and array.stat().st_size > 4096:
+            array.write_bytes(array.read_bytes()[:100])
+    with pytest.raises(ValueError, match="cannot restore the parameters") as e:
+        weights.load_model(path)
+    assert_names(e, path / "params")

@@ -132,10 +132,8 @@ def parse_memory_size(text: str | int | float) -> int:
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, unit = float(text), ""
     else:
-        match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
         value, unit = (float(match[1]), match[2]) if match else (math.nan, "")
-        if match and match[1].count(".") > 1:
-            value = math.nan
     if unit not in _UNITS or not value * _UNITS[unit] >= 1:
         raise ValueError(f"cannot read memory size {text!r}: write e.g. '512MiB', '2GiB', '1TB' or a number of bytes")
     return int(value * _UNITS[unit])

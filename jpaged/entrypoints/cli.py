@@ -2,7 +2,8 @@
 
 One prompt streams its text as it is produced; several print each completion in input order;
 `--json` prints one JSON object per request and a final `{"summary": ...}` line. The summary goes
-to stderr otherwise. Bad input: a one-line `error: ...` on stderr and exit status 2.
+to stderr otherwise. Bad input: a one-line `error: ...` on stderr and exit status 2; a request that
+failed in a step: its error on stderr and exit status 1.
 """
 
 from __future__ import annotations
@@ -157,7 +158,10 @@ def generate(args) -> int:
               f"KV blocks peak {summary['peak_used_blocks']}/{engine.num_blocks}, KV utilization {util}, "
               f"preemptions {summary['num_preemptions']} (load {load_s:.1f}s, compile {summary['compile_s']:.1f}s)",
               file=sys.stderr)
-    return 0
+    failed = [r for r in outputs if r.error is not None]
+    for r in failed:
+        print(f"error: request {r.request_id} failed: {r.error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 class _Status:
