@@ -17,7 +17,8 @@ class SamplingParams:
     seed: makes the request reproducible whatever shares its batch and however often it is preempted;
       sample i draws as a single-sample request with seed `seed + i`. None draws one from the engine.
     stop: strings that end a sample (not included in the text); stop_token_ids likewise.
-    logprobs: return the top-`logprobs` log-probabilities for every generated token.
+    logprobs: return, for every generated token, the log-probabilities of the `logprobs` most likely
+      tokens and of the token chosen (vLLM's and OpenAI's meaning; 0: the chosen token's alone).
     """
 
     n: int = 1

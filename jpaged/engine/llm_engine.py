@@ -161,6 +161,23 @@ class LLMEngine:
             return None, ids
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
+    def apply_chat_template(self, conversation, add_generation_prompt: bool = True) -> str:
+        """A conversation ([{"role": str, "content": str}, ...]) through the tokenizer's chat template."""
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template: send plain prompts")
+        if not (isinstance(conversation, (list, tuple)) and conversation and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in conversation)):
+            raise ValueError("a conversation is a non-empty list of {'role': str, 'content': str} messages")
+        conversation = [{**m, "content": valid_text(m["content"])} for m in conversation]
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def chat_prompt(self, conversation, add_generation_prompt: bool = True) -> dict:
+        """The templated conversation as a prompt: its text, tokenized without adding special tokens again."""
+        text = self.apply_chat_template(conversation, add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
+
     def check_request(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
         """Raises ValueError, saying what to change, for a request this engine can never serve."""
         manager = self.scheduler.block_manager
@@ -210,6 +227,11 @@ class LLMEngine:
                 raise ValueError(f"no request {request_id!r} in flight to abort: it finished already or was never "
                                  "added")
             self._aborts.append(str(request_id))
+
+    def num_waiting(self) -> int:
+        """Requests added but not running: queued for the next step, or waiting for KV blocks."""
+        with self._lock:
+            return len(self._new) + len(self.scheduler.waiting)
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -299,11 +321,12 @@ class LLMEngine:
                                         for seq, i in entries])
             else:
                 for seq, i in entries:
-                    top = None
-                    if group.params.logprobs is not None:
+                    token, logprob, top = int(samples["token_ids"][i]), float(samples["logprobs"][i]), None
+                    if group.params.logprobs is not None:  # the k most likely tokens, and the one chosen
                         k = group.params.logprobs
                         top = dict(zip(samples["top_ids"][i][:k].tolist(), samples["top_logprobs"][i][:k].tolist()))
-                    seq.append_token(int(samples["token_ids"][i]), float(samples["logprobs"][i]), top)
+                        top.setdefault(token, logprob)
+                    seq.append_token(token, logprob, top)
                     reason = self._stop_reason(group, seq)
                     if reason is not None:
                         self.scheduler.finish_seq(seq, reason)

@@ -17,7 +17,6 @@ from tqdm.auto import tqdm
 
 from jpaged.core.sampling_params import as_list
 from jpaged.engine import EngineConfig, LLMEngine, RequestOutput
-from jpaged.engine.llm_engine import valid_text
 from jpaged.weights import LoadedModel
 
 
@@ -68,23 +67,15 @@ class LLM:
         list of conversations, then generates."""
         if messages and isinstance(messages[0], dict):
             messages = [messages]
-        if self.tokenizer.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template: use generate() with plain prompts")
         prompts = [self.chat_prompt(conversation, add_generation_prompt) for conversation in messages]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def chat_prompt(self, conversation, add_generation_prompt: bool = True) -> dict:
-        """The templated conversation as a prompt: its text, tokenized without adding special tokens again."""
-        text = self.apply_chat_template(conversation, add_generation_prompt)
-        return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
+        """The templated conversation as a prompt (`LLMEngine.chat_prompt`)."""
+        return self.engine.chat_prompt(conversation, add_generation_prompt)
 
     def apply_chat_template(self, conversation, add_generation_prompt: bool = True) -> str:
-        if not conversation or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                       and isinstance(m.get("content"), str) for m in conversation):
-            raise ValueError("a conversation is a non-empty list of {'role': str, 'content': str} messages")
-        conversation = [{**m, "content": valid_text(m["content"])} for m in conversation]
-        return self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return self.engine.apply_chat_template(conversation, add_generation_prompt)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
