@@ -80,6 +80,26 @@ def test_options_are_checked_before_the_model_loads(run_cli, monkeypatch):
         assert code == 2 and err.startswith("error: ") and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "70000"], "--port must be in 1..65535"),
+    (["--max-waiting", "0"], "max_waiting=0"),
+    (["--grace-period", "-1"], "grace_period_s=-1"),
+    (["--max-num-seqs", "0"], "max_num_seqs must be"),
+    (["--model", "/no/such/model"], "/no/such/model"),
+])
+def test_serve_refuses_bad_options_before_loading(monkeypatch, capsys, argv, message):
+    from jpaged.entrypoints import server
+
+    def no_serve(*args, **kwargs):
+        raise AssertionError("the server started with bad options")
+
+    monkeypatch.setattr(server, "serve", no_serve)
+    monkeypatch.setattr(llm_engine, "load_model", no_serve)
+    code = cli.main(["serve", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and message in err and "Traceback" not in err, err
+
+
 def test_memory_sizes_in_every_unit_and_terabytes():
     from jpaged.device.kv_cache import parse_memory_size
 

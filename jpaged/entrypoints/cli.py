@@ -1,9 +1,11 @@
-"""`jpaged generate`: generate from the command line.
+"""The `jpaged` command: `generate`, `serve`, `convert`.
 
-One prompt streams its text as it is produced; several print each completion in input order;
-`--json` prints one JSON object per request and a final `{"summary": ...}` line. The summary goes
-to stderr otherwise. Bad input: a one-line `error: ...` on stderr and exit status 2; a request that
-failed in a step: its error on stderr and exit status 1.
+`jpaged generate`: one prompt streams its text as it is produced; several print each completion in
+input order; `--json` prints one JSON object per request and a final `{"summary": ...}` line. The
+summary goes to stderr otherwise. `jpaged serve`: the OpenAI API over HTTP (`server.py`).
+`jpaged convert`: a model as a jpaged checkpoint. Bad input: a one-line `error: ...` on stderr and
+exit status 2, before anything loads; a request that failed in a step: its error on stderr and
+exit status 1.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate completions for prompts")
     g.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts (each one request)")
     g.add_argument("--prompts-file", help="JSONL file with a 'prompt' field per line")
-    g.add_argument("--model", help="a .gguf file, a HF Llama directory or a jpaged checkpoint (default: the "
-                   "embedded SmolLM2-135M-Instruct)")
     g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most per sample")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of this mass")
@@ -32,31 +32,82 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible, whatever else runs")
     g.add_argument("--n", type=int, default=1, help="samples per prompt")
     g.add_argument("--beam-width", type=int, default=1, help="beam search with this many beams")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks, null block included")
-    g.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size when --num-blocks is not given")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="of the weights and the KV pool")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "xla"],
-                   help="auto: the Pallas kernels on a GPU, the XLA path elsewhere")
-    g.add_argument("--interpret", action="store_true",
-                   help="run the Pallas kernels in the Pallas interpreter (slow: for checking them on a CPU)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once, at most")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="prompt tokens a prefill step computes, at most (default: max(context, 2048))")
-    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
-                   help="what happens to the latest requests when KV blocks run out")
-    g.add_argument("--swap-space", type=float, default=4.0,
-                   help="GiB of CPU block pool for --preemption-mode swap (capped at the device pool's size)")
-    g.add_argument("--enable-prefix-caching", action="store_true", help="reuse the KV blocks of shared prompt prefixes")
+    add_engine_arguments(g)
     g.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as given")
     g.add_argument("--json", action="store_true", help="one JSON object per request, then a summary line")
+    v = sub.add_parser("serve", help="serve the OpenAI API (completions, chat completions) over HTTP")
+    v.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the file's)")
+    v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
+                   "/health (default: $JPAGED_API_KEY if set)")
+    v.add_argument("--max-waiting", type=int, default=256, help="requests waiting for the engine, past which "
+                   "new ones get 503")
+    v.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (413 above)")
+    v.add_argument("--grace-period", type=float, default=30.0, help="seconds running requests get to finish "
+                   "after SIGTERM")
+    add_engine_arguments(v)
     c = sub.add_parser("convert", help="save a model as a jpaged (orbax) checkpoint that loads in seconds")
     c.add_argument("--model", help="a .gguf file or a HF Llama directory (default: embedded SmolLM2-135M-Instruct)")
     c.add_argument("--out", default=None, help="new directory to write (default: checkpoints/<model name>)")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="of the saved parameters")
     return parser
+
+
+def add_engine_arguments(parser) -> None:
+    """The `EngineConfig` options, shared by `generate` and `serve`."""
+    parser.add_argument("--model", help="a .gguf file, a HF Llama directory or a jpaged checkpoint (default: the "
+                        "embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks, null block included")
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size when --num-blocks is not given")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="of the weights and the KV pool")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "xla"],
+                        help="auto: the Pallas kernels on a GPU, the XLA path elsewhere")
+    parser.add_argument("--interpret", action="store_true",
+                        help="run the Pallas kernels in the Pallas interpreter (slow: for checking them on a CPU)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once, at most")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="prompt tokens a prefill step computes, at most (default: max(context, 2048))")
+    parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                        help="what happens to the latest requests when KV blocks run out")
+    parser.add_argument("--swap-space", type=float, default=4.0,
+                        help="GiB of CPU block pool for --preemption-mode swap (capped at the device pool's size)")
+    parser.add_argument("--enable-prefix-caching", action="store_true", help="reuse the KV blocks of shared prompt prefixes")
+
+
+def engine_config(args):
+    """The `EngineConfig` the options ask for; every option checked here, before anything loads."""
+    from jpaged.engine import EngineConfig
+
+    return EngineConfig(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
+                        kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+                        attention_backend=args.attention_backend, interpret=args.interpret,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        preemption_mode=args.preemption_mode,
+                        swap_space=args.swap_space if args.preemption_mode == "swap" else 0.0,
+                        enable_prefix_caching=args.enable_prefix_caching)
+
+
+def serve(args) -> int:
+    import pathlib
+
+    from jpaged.engine import LLMEngine
+    from jpaged.entrypoints import server
+
+    config = engine_config(args)
+    name = args.served_model_name or (pathlib.Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
+    server_config = server.ServerConfig(model_name=name, api_key=server.api_key_from(args.api_key),
+                                        max_request_bytes=args.max_request_bytes, max_waiting=args.max_waiting,
+                                        grace_period_s=args.grace_period)
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    status = _Status(sys.stderr.isatty())
+    status.say(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
+    server.serve(LLMEngine(config), server_config, host=args.host, port=args.port)
+    return 0
 
 
 def convert(args) -> int:
@@ -98,19 +149,12 @@ def read_prompts(args) -> list[str]:
 
 def generate(args) -> int:
     from jpaged.core.sampling_params import SamplingParams
-    from jpaged.engine import EngineConfig
     from jpaged.entrypoints.llm import LLM
 
     texts = read_prompts(args)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, beam_width=args.beam_width)
-    config = EngineConfig(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
-                          kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
-                          attention_backend=args.attention_backend, interpret=args.interpret,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          preemption_mode=args.preemption_mode,
-                          swap_space=args.swap_space if args.preemption_mode == "swap" else 0.0,
-                          enable_prefix_caching=args.enable_prefix_caching)  # every option checked: nothing loaded yet
+    config = engine_config(args)
     status = _Status(sys.stderr.isatty())
     status.say(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
     t0 = time.perf_counter()
@@ -215,7 +259,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     try:
-        return generate(args) if args.command == "generate" else convert(args)
+        return {"generate": generate, "serve": serve, "convert": convert}[args.command](args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

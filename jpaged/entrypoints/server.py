@@ -1,0 +1,418 @@
+"""`jpaged serve`: an OpenAI-compatible HTTP server in front of one engine.
+
+One `LLMEngine` is stepped by one background thread (`EngineLoop`); HTTP handlers (Starlette on
+uvicorn, asyncio) add requests to it and read their outputs from per-request queues, so requests
+from every client share the engine's continuous batching. Endpoints:
+
+  POST /v1/completions, POST /v1/chat/completions   OpenAI's, with "stream": true as server-sent events
+  GET  /v1/models                                   the one model served
+  GET  /health                                      200 while serving (no key needed)
+  GET  /metrics                                     Prometheus text: queues, KV blocks, prefix-cache hit
+                                                    rate, preemptions, tokens, time to first token and
+                                                    inter-token latency histograms, decode batch sizes,
+                                                    executables compiled
+
+Who may come in: the server binds 127.0.0.1 unless told otherwise; with an API key (`--api-key`
+or `JPAGED_API_KEY`) every endpoint but /health needs `Authorization: Bearer KEY` (401 otherwise).
+Request bodies are bounded (413), prompts by the model's context (400), and the waiting queue
+(503 past it). A client that disconnects before its answer (streamed or not) aborts its request,
+which frees its blocks.
+SIGTERM: admission stops (503), running requests get a grace period to finish, the rest are
+aborted, and the process ends by that signal (uvicorn re-raises it, so the exit status says SIGTERM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import os
+import threading
+import time
+from typing import Optional
+
+from jpaged.engine import LLMEngine, RequestOutput
+from jpaged.entrypoints import openai_protocol as api
+
+logger = logging.getLogger("jpaged")
+
+API_KEY_ENV = "JPAGED_API_KEY"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """How the server admits requests (see the module docstring)."""
+
+    model_name: str = "jpaged"
+    api_key: Optional[str] = None
+    max_request_bytes: int = 1 << 20
+    max_waiting: int = 256  # requests queued but not yet running, past which new ones get 503
+    grace_period_s: float = 30.0  # after SIGTERM, how long running requests may take to finish
+
+    def __post_init__(self):
+        if self.max_request_bytes < 1 or self.max_waiting < 1 or self.grace_period_s < 0:
+            raise ValueError(f"bad server limits: max_request_bytes={self.max_request_bytes}, "
+                             f"max_waiting={self.max_waiting}, grace_period_s={self.grace_period_s}")
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of their own (several servers per process in
+    tests). Updated by the engine loop after every step and by the handlers as tokens arrive."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Gauge("jpaged_requests", "Requests in the engine, by state", ["state"], registry=r)
+        self.blocks = Gauge("jpaged_kv_blocks", "KV blocks of the device pool, by state", ["state"], registry=r)
+        self.hit_rate = Gauge("jpaged_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
+                              registry=r)
+        self.preemptions = Gauge("jpaged_preemptions", "Preemptions since the engine started", registry=r)
+        self.generated = Counter("jpaged_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("jpaged_requests_finished", "Requests finished, by reason", ["reason"], registry=r)
+        self.ttft = Histogram("jpaged_time_to_first_token_seconds", "Time to the first token", registry=r,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.itl = Histogram("jpaged_inter_token_latency_seconds", "Time between a request's tokens", registry=r,
+                             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+        self.compiles = Counter("jpaged_compiles", "Step executables built (JAX compiles one per new batch shape)",
+                                registry=r)
+        self.compile_seconds = Counter("jpaged_compile_seconds", "Time steps spent building executables",
+                                       registry=r)
+        self.batch = Histogram("jpaged_decode_batch_size", "Sequences in a decode step", registry=r,
+                               buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+
+    def observe_step(self, engine: LLMEngine, record) -> None:
+        """A step observer: the queues, the pool, the decode batch."""
+        self.requests.labels("waiting").set(record.num_waiting)
+        self.requests.labels("running").set(record.num_running)
+        self.requests.labels("swapped").set(record.num_swapped)
+        stats = record.kv.stats()
+        self.blocks.labels("used").set(stats["num_used_blocks"])
+        self.blocks.labels("free").set(stats["num_free_blocks"])
+        self.blocks.labels("cached").set(stats["num_cached_blocks"])
+        s = engine.scheduler
+        self.hit_rate.set(s.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0)
+        self.preemptions.set(s.num_preemptions)
+        if record.kind == "decode":
+            self.batch.observe(record.num_rows)
+        self.compiles.inc(sum(c.compile_seconds > 0 for c in record.calls))
+        self.compile_seconds.inc(record.compile_seconds)
+
+
+class EngineLoop:
+    """Steps one engine from a background thread; asyncio code adds requests and awaits outputs.
+
+    Invariant: a request id is in `_queues` from its admission until its finished output has been
+    delivered; outputs are delivered in the engine's order, each to the event loop that added it."""
+
+    def __init__(self, engine: LLMEngine, metrics: Metrics):
+        self.engine, self.metrics = engine, metrics
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        engine.add_observer(lambda record: metrics.observe_step(engine, record))
+        self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops stepping (idempotent): the step under way ends first."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=60)
+
+    def add(self, request_id: str, prompt, params) -> asyncio.Queue:
+        """Queues a request (raises ValueError when the engine refuses it); returns its output queue."""
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except Exception:
+            with self._lock:
+                del self._queues[request_id]
+            raise
+        self._wake.set()
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except ValueError:  # finished meanwhile
+            pass
+        self._wake.set()
+
+    def abort_all(self) -> None:
+        with self._lock:
+            ids = list(self._queues)
+        for request_id in ids:
+            self.abort(request_id)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # noqa: BLE001 - a bug must not kill the loop that serves everyone
+                logger.exception("an engine step raised")
+                continue
+            for out in outputs:
+                if out.finished:  # counted here: an aborted request's handler is gone
+                    for c in out.outputs:
+                        self.metrics.finished.labels(c.finish_reason or "unknown").inc()
+                with self._lock:
+                    target = self._queues.pop(out.request_id, None) if out.finished else self._queues.get(
+                        out.request_id)
+                if target is not None:
+                    loop, queue = target
+                    loop.call_soon_threadsafe(queue.put_nowait, out)
+
+
+def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
+    """The ASGI application (Starlette), with its engine loop started and stopped by its lifespan."""
+    import contextlib
+
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    metrics = Metrics()
+    loop = EngineLoop(engine, metrics)
+    state = {"admitting": True}
+    tokenizer = engine.tokenizer
+
+    def error(e: api.ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    def check_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+            raise api.ApiError("a valid API key is needed: send 'Authorization: Bearer <key>'", status=401,
+                               type="authentication_error", code="invalid_api_key")
+
+    async def read_body(request: Request) -> dict:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > config.max_request_bytes:
+            raise api.ApiError(f"the request body is over {config.max_request_bytes} bytes", status=413)
+        body = b""
+        async for part in request.stream():
+            body += part
+            if len(body) > config.max_request_bytes:
+                raise api.ApiError(f"the request body is over {config.max_request_bytes} bytes", status=413)
+        return api.parse_json(body)
+
+    def admit(parsed: api.ParsedRequest, request_id: str) -> list[tuple[str, asyncio.Queue]]:
+        """Queues one engine request per prompt; all or none."""
+        if not state["admitting"]:
+            raise api.ApiError("the server is shutting down", status=503, type="server_error")
+        if engine.num_waiting() + len(parsed.prompts) > config.max_waiting:
+            raise api.ApiError(f"too many requests are waiting ({config.max_waiting}): retry later", status=503,
+                               type="server_error")
+        queues = []
+        try:
+            for i, prompt in enumerate(parsed.prompts):
+                if parsed.chat:
+                    prompt = engine.chat_prompt(prompt)
+                params = parsed.params
+                if not parsed.max_tokens_given:  # to the end of the context, as the chat API does
+                    _, ids = engine.tokenize(prompt)
+                    params = dataclasses.replace(params, max_tokens=max(1, engine.max_model_len - len(ids)))
+                rid = f"{request_id}-{i}"
+                queues.append((rid, loop.add(rid, prompt, params)))
+        except ValueError as e:
+            for rid, _ in queues:
+                loop.abort(rid)
+            raise api.ApiError(str(e)) from None
+        return queues
+
+    class Tracker:
+        """Time to first token and inter-token latency of one engine request, into the metrics."""
+
+        def __init__(self):
+            self.start, self.last, self.tokens = time.monotonic(), None, 0
+
+        def update(self, out: RequestOutput) -> None:
+            now, tokens = time.monotonic(), sum(len(c.token_ids) for c in out.outputs)
+            new = tokens - self.tokens
+            if new > 0:
+                if self.last is None:
+                    metrics.ttft.observe(now - self.start)
+                else:
+                    for _ in range(new):
+                        metrics.itl.observe((now - self.last) / new)
+                metrics.generated.inc(new)
+                self.last, self.tokens = now, tokens
+
+    async def final_outputs(queues) -> list[RequestOutput]:
+        results = []
+        for _, queue in queues:
+            tracker = Tracker()
+            while True:
+                out = await queue.get()
+                tracker.update(out)
+                if out.finished:
+                    results.append(out)
+                    break
+        return results
+
+    async def stream(parsed: api.ParsedRequest, request_id: str, queues):
+        created = int(time.time())
+        n = parsed.params.beam_width if parsed.params.use_beam_search else parsed.params.n
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) sent
+        finals: list[RequestOutput] = []
+        try:
+            if parsed.chat:
+                for p in range(len(queues)):
+                    for i in range(n):
+                        yield api.sse(api.chunk(parsed, request_id, created, p * n + i, None, None, role=True))
+            for p, (_, queue) in enumerate(queues):
+                tracker = Tracker()
+                while True:
+                    out = await queue.get()
+                    tracker.update(out)
+                    for c in out.outputs:
+                        index = p * n + c.index
+                        chars, tokens = sent.get(index, (0, 0))
+                        if parsed.params.use_beam_search and not out.finished:
+                            continue  # beams are reordered until the search ends: send the final ones
+                        text, finish = c.text[chars:], api.finish_reason(c) if out.finished else None
+                        if text or finish or len(c.token_ids) > tokens:
+                            logprobs = None
+                            if parsed.logprobs:
+                                logprobs = (api.chat_logprobs(c, tokenizer, parsed.params.logprobs or 0, tokens)
+                                            if parsed.chat else api.completion_logprobs(c, tokenizer, tokens))
+                            yield api.sse(api.chunk(parsed, request_id, created, index, text, finish, logprobs))
+                            sent[index] = (len(c.text), len(c.token_ids))
+                    if out.finished:
+                        finals.append(out)
+                        break
+            if parsed.include_usage:
+                yield api.sse({"id": request_id, "object": "chat.completion.chunk" if parsed.chat else "text_completion",
+                               "created": created, "model": parsed.model, "choices": [], "usage": api.usage(finals)})
+            yield api.sse("[DONE]")
+        finally:  # the client went away (or the stream ended): nothing of it may keep running
+            for rid, _ in queues:
+                loop.abort(rid)
+
+    async def disconnected(request: Request) -> None:
+        """Returns when the client closes its connection (the body has been read already)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def generate(request: Request, chat: bool):
+        try:
+            check_key(request)
+            parsed = api.parse_request(await read_body(request), chat=chat, model_name=config.model_name)
+            request_id = api.new_id(chat)
+            queues = admit(parsed, request_id)
+        except api.ApiError as e:
+            return error(e)
+        if parsed.stream:
+            return StreamingResponse(stream(parsed, request_id, queues), media_type="text/event-stream")
+        outputs = asyncio.ensure_future(final_outputs(queues))
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait({outputs, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not outputs.done():  # the client went away (or the server is cancelling us): abort
+                outputs.cancel()
+                for rid, _ in queues:
+                    loop.abort(rid)
+        if outputs.cancelled():
+            return Response(status_code=499)  # nobody reads it
+        outputs = outputs.result()
+        failed = [o for o in outputs if o.error is not None]
+        if failed:
+            return error(api.ApiError(f"the request failed in the engine: {failed[0].error}", status=500,
+                                      type="server_error"))
+        return JSONResponse(api.response(parsed, request_id, outputs, tokenizer))
+
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    async def models(request: Request):
+        try:
+            check_key(request)
+        except api.ApiError as e:
+            return error(e)
+        return JSONResponse({"object": "list", "data": [
+            {"id": config.model_name, "object": "model", "created": 0, "owned_by": "jpaged",
+             "max_model_len": engine.max_model_len}]})
+
+    async def health(request: Request):
+        return Response(status_code=200 if state["admitting"] else 503)
+
+    async def metrics_endpoint(request: Request):
+        try:
+            check_key(request)
+        except api.ApiError as e:
+            return error(e)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        loop.start()
+        try:
+            yield
+        finally:  # uvicorn has stopped accepting and waited for open requests (its graceful timeout)
+            state["admitting"] = False
+            deadline = time.monotonic() + config.grace_period_s
+            while engine.has_unfinished() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            unfinished = engine.has_unfinished()
+            loop.abort_all()
+            while engine.has_unfinished() and time.monotonic() < deadline + 10:
+                await asyncio.sleep(0.05)
+            loop.stop()
+            logger.warning("jpaged stopped: %s", "requests past the grace period were aborted" if unfinished
+                           else "every request finished")
+
+    app = Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+    ], lifespan=lifespan)
+    app.state.engine, app.state.loop, app.state.metrics, app.state.admission = engine, loop, metrics, state
+    return app
+
+
+def serve(engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serves until SIGTERM or SIGINT: then admission stops, running requests have the grace period
+    to finish, and the rest are aborted."""
+    import uvicorn
+
+    app = build_app(engine, config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # stop admitting at once, then let uvicorn drain
+            app.state.admission["admitting"] = False
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                   timeout_graceful_shutdown=int(config.grace_period_s)))
+    if config.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without an API key: anyone who can reach it may use it (--api-key)", host)
+    logger.warning("jpaged serving %s on http://%s:%d (OpenAI API under /v1)", config.model_name, host, port)
+    server.run()
+
+
+def api_key_from(arg: Optional[str]) -> Optional[str]:
+    """`--api-key`, else the environment's JPAGED_API_KEY, else None (no key needed)."""
+    return arg if arg is not None else os.environ.get(API_KEY_ENV) or None
