@@ -153,6 +153,28 @@ class ModelRunner:
         k = self.cache.k
         self.cache = KVCache(k=jnp.zeros(k.shape, k.dtype), v=jnp.zeros(k.shape, k.dtype))
 
+    def pool_state(self) -> dict:
+        """The KV pools' contents (device blocks `k`, `v`; CPU swap blocks `cpu_k`, `cpu_v`), each
+        [layers, blocks, block_size, kv_heads, head_dim] in the storage dtype: what a paused engine saves."""
+        return {"k": self.cache.k, "v": self.cache.v, "cpu_k": self.cpu_k, "cpu_v": self.cpu_v}
+
+    def load_pool_state(self, state: dict) -> None:
+        """Replaces the pools' contents with `pool_state()`'s arrays of the same shapes (16-bit values
+        saved under another storage dtype of the same width are bit-cast, not converted)."""
+        def like(array, have):
+            array = np.asarray(array)
+            if array.shape != have.shape:
+                raise ValueError(f"a KV pool of shape {array.shape} does not fit this runner's {have.shape}")
+            if array.dtype != have.dtype:
+                if array.dtype.itemsize != have.dtype.itemsize:
+                    raise ValueError(f"a KV pool stored as {array.dtype} does not fit this runner's {have.dtype}")
+                array = array.view(have.dtype)
+            return array
+
+        self.cache = KVCache(k=jnp.asarray(like(state["k"], self.cache.k)),
+                             v=jnp.asarray(like(state["v"], self.cache.v)))
+        self.cpu_k, self.cpu_v = like(state["cpu_k"], self.cpu_k), like(state["cpu_v"], self.cpu_v)
+
     def take_calls(self) -> tuple[DeviceCall, ...]:
         """The timed executable runs since the last call, oldest first."""
         calls, self._calls = tuple(self._calls), []

@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import pathlib
 import threading
 import time
 from typing import Callable, Optional, Sequence as Seq
@@ -383,6 +384,59 @@ class LLMEngine:
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    # ---- pausing ------------------------------------------------------------------------------
+
+    def save(self, path) -> pathlib.Path:
+        """Pauses the engine here: writes its KV pools and host state to the directory `path`
+        (`jpaged.engine.snapshot`), from which `LLMEngine.restore` goes on with exactly the tokens
+        this engine would give. This engine is unchanged and may go on too. Call it between steps."""
+        from jpaged.engine import snapshot
+
+        return snapshot.save(self, path)
+
+    @classmethod
+    def restore(cls, path, *, loaded: Optional[LoadedModel] = None, **overrides) -> "LLMEngine":
+        """An engine saved by `save`, ready for its next step: the same model (checked; `loaded` or
+        `model=` give it where it now lives) and the saved settings (`attention_backend` and
+        `interpret` may change; anything that shapes the state may not)."""
+        from jpaged.engine import snapshot
+
+        return snapshot.restore(cls, path, loaded=loaded, **overrides)
+
+    def host_state(self) -> dict:
+        """What a paused engine keeps on the host, as objects to pickle together (one pickle keeps the
+        sharing between queues, groups and sequences): the scheduler (KV cache manager snapshot,
+        queues, groups with their sequences and beam state), requests queued or aborted since the last
+        step, the seed generator, the next sequence id and the statistics."""
+        with self._lock:
+            next_seq_id = next(self._seq_ids)
+            self._seq_ids = itertools.count(next_seq_id)
+            return {"scheduler": self.scheduler, "new": list(self._new), "aborts": list(self._aborts),
+                    "request_ids": set(self._request_ids), "rng": self._rng, "next_seq_id": next_seq_id,
+                    "peak_used_blocks": self.peak_used_blocks, "num_steps": self.num_steps,
+                    "timings": dict(self.timings),
+                    "utilization": (self._utilization_sum, self._utilization_steps), "clock": time.monotonic()}
+
+    def load_host_state(self, state: dict) -> None:
+        """Takes over `host_state()`'s objects (from an unpickled copy: they become this engine's).
+        Request timestamps move by the time paused, so the pause counts in no latency."""
+        shift = time.monotonic() - state["clock"]
+        scheduler = state["scheduler"]
+        for group in [*scheduler.waiting, *scheduler.running, *scheduler.swapped, *state["new"]]:
+            for name in ("arrival_time", "first_scheduled_time", "first_token_time", "finished_time"):
+                if getattr(group, name) is not None:
+                    setattr(group, name, getattr(group, name) + shift)
+        with self._lock:
+            self.scheduler = scheduler
+            self._new = collections.deque(state["new"])
+            self._aborts = collections.deque(state["aborts"])
+            self._request_ids = set(state["request_ids"])
+            self._rng = state["rng"]
+            self._seq_ids = itertools.count(state["next_seq_id"])
+            self.peak_used_blocks, self.num_steps = state["peak_used_blocks"], state["num_steps"]
+            self.timings = collections.Counter(state["timings"])
+            self._utilization_sum, self._utilization_steps = state["utilization"]
 
     # ---- outputs and statistics --------------------------------------------------------------
 

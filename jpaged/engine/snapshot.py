@@ -1,0 +1,170 @@
+"""Paused engines: an `LLMEngine` in the middle of a run, written to a directory and read back
+(`LLMEngine.save` / `LLMEngine.restore`), in this process or another, on this machine or another.
+
+What is saved: the KV pools (device blocks and CPU swap blocks, in their storage dtype) and the
+engine's host state (`LLMEngine.host_state`: the scheduler with its KV cache manager snapshot,
+queues, sequence groups and beam state; requests queued or aborted since the last step; the seed
+generator; statistics). Sampling is a function of each request's seed and position, so a restored
+engine draws exactly the tokens the uninterrupted run draws. Compiled executables are not saved
+(the restored engine compiles, or reads JAX's compilation cache); observers are not saved.
+
+Layout of PATH (orbax `CheckpointManager`: every save is a numbered step directory, written under
+a temporary name and renamed once complete, so an interrupted save leaves the previous one
+readable; the two newest are kept):
+  PATH/jpaged-engine.json   marks the directory as paused engines (format, version)
+  PATH/<n>/manifest/        JSON: format and version, the model's identity (its config and a
+                            fingerprint of its parameters), the pools' geometry, the engine's settings
+  PATH/<n>/state/           the pools, and the host state as one pickle (a uint8 array)
+Restoring checks the manifest before anything else is read: another model, block size, pool size
+or dtype is refused with a message. Trust: the host state is a pickle, so restore only directories
+you (or someone you trust) wrote, as with any pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMAT, VERSION = "jpaged-engine", 1
+MARKER = "jpaged-engine.json"
+KEEP = 2  # saves kept in a directory, newest first
+# what `restore` may change: where the model lives and how attention runs; nothing of the state's shape
+RESTORE_OVERRIDES = ("model", "attention_backend", "interpret")
+
+
+def model_identity(model) -> dict:
+    """A `LoadedModel`'s config and a fingerprint of its parameters: sha256 over ~4,096 evenly
+    spaced values of every array, rounded to bfloat16 (so a model kept in float32 on a CPU and in
+    bfloat16 on a GPU is the same model)."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(model.params):
+        flat = jnp.ravel(leaf)
+        sample = flat[::max(1, flat.size // 4096)].astype(jnp.bfloat16).astype(jnp.float32)
+        digest.update(np.asarray(sample).tobytes())
+    return {"config": dataclasses.asdict(model.config), "fingerprint": digest.hexdigest()[:32],
+            "source": str(model.path)}
+
+
+def _manifest(engine) -> dict:
+    runner, spec = engine.runner, engine.kv_cache_spec
+    settings = {k: (str(v) if k == "model" and v is not None else v)
+                for k, v in dataclasses.asdict(engine.config).items()}
+    return {"format": FORMAT, "version": VERSION, "model": model_identity(engine.model),
+            "kv": {"num_blocks": spec.num_blocks, "block_size": spec.block_size,
+                   "num_cpu_blocks": spec.num_cpu_blocks, "dtype": engine.config.dtype,
+                   "storage_dtype": str(runner.cache.k.dtype)},
+            "engine_config": settings, "num_steps": engine.num_steps}
+
+
+def _manager(path: pathlib.Path, read_only: bool):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=KEEP, create=not read_only, read_only=read_only,
+                                           enable_async_checkpointing=False)
+    return ocp.CheckpointManager(path, options=options)
+
+
+def save(engine, path) -> pathlib.Path:
+    """Writes `engine` as the newest save in the directory `path` (made if missing; an existing
+    directory must hold paused engines already). Returns the step directory written."""
+    import orbax.checkpoint as ocp
+
+    path = pathlib.Path(path).absolute()
+    marker = path / MARKER
+    if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not marker.is_file())):
+        raise ValueError(f"{path}: exists and holds no paused engine ({MARKER}): give a new or empty directory")
+    path.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"format": FORMAT, "version": VERSION}))
+    manifest = _manifest(engine)
+    host = np.frombuffer(pickle.dumps(engine.host_state(), protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    # orbax writes no empty array (an engine without swap space has no CPU blocks): those are left out
+    state = {name: a for name, a in {**engine.runner.pool_state(), "host": host}.items() if np.size(a)}
+    manifest["host_bytes"], manifest["arrays"] = int(host.size), sorted(state)
+    with _manager(path, read_only=False) as manager:
+        step = 0 if manager.latest_step() is None else manager.latest_step() + 1
+        manager.save(step, args=ocp.args.Composite(manifest=ocp.args.JsonSave(manifest),
+                                                   state=ocp.args.StandardSave(state)))
+        manager.wait_until_finished()
+    return path / str(step)
+
+
+def read_manifest(path) -> tuple[int, dict]:
+    """The newest complete save in `path`: (its step, its manifest). Raises ValueError naming what
+    is missing or wrong."""
+    import orbax.checkpoint as ocp
+
+    path = pathlib.Path(path).absolute()
+    marker = path / MARKER
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such directory (a directory written by LLMEngine.save)")
+    try:
+        head = json.loads(marker.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{marker}: not a paused jpaged engine ({' '.join(str(e).split())[:200]})") from e
+    if not isinstance(head, dict) or head.get("format") != FORMAT:
+        raise ValueError(f"{marker}: not a paused jpaged engine (format {FORMAT!r} expected)")
+    with _manager(path, read_only=True) as manager:
+        step = manager.latest_step()
+        if step is None:
+            raise ValueError(f"{path}: holds no complete saved engine")
+        try:
+            manifest = manager.restore(step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))["manifest"]
+        except Exception as e:  # noqa: BLE001 - orbax's own errors: missing or unreadable files
+            raise ValueError(f"{path / str(step) / 'manifest'}: unreadable ({' '.join(str(e).split())[:300]})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"{path / str(step) / 'manifest'}: not a paused jpaged engine's manifest")
+    if manifest.get("version") != VERSION:
+        raise ValueError(f"{path / str(step) / 'manifest'}: saved by format version {manifest.get('version')!r}, "
+                         f"this jpaged reads version {VERSION}")
+    return step, manifest
+
+
+def restore(cls, path, *, loaded=None, **overrides):
+    """An engine of class `cls` built with the saved settings (and `overrides` among
+    RESTORE_OVERRIDES) and the saved state. Raises ValueError, before any state is read, for a
+    model or a pool geometry other than the saved ones."""
+    import orbax.checkpoint as ocp
+
+    from jpaged.engine.config import EngineConfig
+
+    path = pathlib.Path(path).absolute()
+    step, manifest = read_manifest(path)
+    where = path / str(step)
+    other = sorted(set(overrides) - set(RESTORE_OVERRIDES))
+    if other:
+        raise ValueError(f"restore keeps the saved engine's settings: only {', '.join(RESTORE_OVERRIDES)} may be "
+                         f"given, not {', '.join(other)}")
+    kv = manifest["kv"]
+    settings = {**manifest["engine_config"], "num_blocks": kv["num_blocks"], **overrides}
+    engine = cls(EngineConfig(**settings), loaded=loaded)
+    saved, have = manifest["model"], model_identity(engine.model)
+    if saved["config"] != json.loads(json.dumps(have["config"])) or saved["fingerprint"] != have["fingerprint"]:
+        raise ValueError(f"{where}: saved with another model ({saved['source']}, fingerprint {saved['fingerprint']}); "
+                         f"this one is {have['source']} (fingerprint {have['fingerprint']}): give the saved model "
+                         "(model=... or loaded=...)")
+    spec = engine.kv_cache_spec
+    for name, value in (("num_blocks", spec.num_blocks), ("block_size", spec.block_size),
+                        ("num_cpu_blocks", spec.num_cpu_blocks), ("dtype", engine.config.dtype)):
+        if kv[name] != value:
+            raise ValueError(f"{where}: saved with {name} {kv[name]}, this engine has {value}: restore with the "
+                             "saved settings")
+    pools = engine.runner.pool_state()
+    shapes = {name: (np.shape(a), np.dtype(kv["storage_dtype"])) for name, a in pools.items()}
+    shapes["host"] = ((manifest["host_bytes"],), np.uint8)
+    target = {name: jax.ShapeDtypeStruct(*shapes[name]) for name in manifest["arrays"] if name in shapes}
+    try:
+        with _manager(path, read_only=True) as manager:
+            state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+        host = pickle.loads(np.asarray(state.pop("host")).tobytes())
+    except Exception as e:  # noqa: BLE001 - orbax's errors (missing, truncated arrays) and unpickling's
+        raise ValueError(f"{where / 'state'}: cannot read the saved state ({' '.join(str(e).split())[:300]})") from e
+    engine.runner.load_pool_state({**pools, **state})  # an array left out was empty
+    engine.load_host_state(host)
+    return engine
