@@ -187,3 +187,41 @@ def test_console_script_answers_paris():
     assert "Paris" in result.stdout
     summary = result.stderr.strip().splitlines()[-1]
     assert "tokens/s" in summary and "KV blocks peak" in summary and "/64" in summary
+
+
+def test_convert_writes_a_checkpoint_that_gives_the_source_models_greedy_tokens(default_model, llm, tmp_path,
+                                                                                  monkeypatch, capsys):
+    from jpaged import LLM, SamplingParams, weights
+
+    # the GGUF is read by the session already: convert that copy (reading it is tested in test_loader.py)
+    monkeypatch.setattr(weights, "load_model", lambda path, dtype=None: default_model)
+    out = tmp_path / "smol"
+    assert cli.main(["convert", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out.absolute())
+    monkeypatch.undo()
+    converted = LLM(model=str(out), num_blocks=64)
+    assert converted.engine.model.path == out.absolute()
+    params = SamplingParams(temperature=0, max_tokens=16)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    assert ([o.outputs[0].token_ids for o in converted.generate(prompts, params, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(weights, "load_model", no_load)  # refused before anything loads
+    assert cli.main(["convert", "--out", str(out)]) == 2 and "already exists" in capsys.readouterr().err
+    assert cli.main(["convert", "--model", str(tmp_path / "none.gguf"), "--out", str(tmp_path / "x")]) == 2
+    assert "none.gguf: no such file" in capsys.readouterr().err
+
+
+def test_an_interrupted_checkpoint_save_leaves_nothing_half_written(default_model, tmp_path, monkeypatch):
+    from jpaged.weights import checkpoint
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(default_model.tokenizer), "save_pretrained", crash)  # after the parameters
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(default_model, tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []  # neither the checkpoint nor its partial copy

@@ -114,13 +114,20 @@ def convert(args) -> int:
     import pathlib
 
     from jpaged.engine import DTYPES
-    from jpaged.weights import checkpoint, load_model
+    from jpaged.weights import checkpoint, default_model_path, load_model, read_config
 
-    loaded = load_model(args.model, dtype=DTYPES[args.dtype])
-    out = pathlib.Path(args.out or pathlib.Path("checkpoints") / loaded.path.stem)
+    source = pathlib.Path(args.model) if args.model else default_model_path()
+    out = pathlib.Path(args.out or pathlib.Path("checkpoints") / source.stem)
     if out.exists():
         raise ValueError(f"{out} already exists: pass --out with a new directory")
-    print(checkpoint.save(loaded, out))
+    read_config(source)  # a file that is not a model is named before anything loads
+    t0 = time.perf_counter()
+    loaded = load_model(source, dtype=DTYPES[args.dtype])
+    load_s = time.perf_counter() - t0
+    path = checkpoint.save(loaded, out)
+    print(path)
+    print(f"read {source.name} in {load_s:.1f} s, wrote the checkpoint in {time.perf_counter() - t0 - load_s:.1f} s",
+          file=sys.stderr)
     return 0
 
 

@@ -1,7 +1,9 @@
 """Converted checkpoints: a `LoadedModel` saved with orbax, so later loads skip GGUF parsing
 and dequantization.
 
-Directory layout (the directory is created by `save` and must not exist yet):
+Directory layout (the directory is created by `save` and must not exist yet; it is written under a
+temporary name beside it and renamed once complete, so an interrupted save leaves no half
+checkpoint, and nothing else is touched):
   jpaged.json   {"format": "jpaged-checkpoint", "version": 1, "config": ModelConfig fields, "source": path}
   params/       the `LlamaParams` pytree, orbax StandardCheckpointer, dtype as saved
   tokenizer/    `tokenizer.save_pretrained` (tokenizer.json, chat template, ...)
@@ -14,6 +16,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -56,13 +59,21 @@ def save(loaded: LoadedModel, directory: str | os.PathLike) -> pathlib.Path:
     import orbax.checkpoint as ocp
 
     directory = pathlib.Path(directory).absolute()
-    directory.mkdir(parents=True, exist_ok=False)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(directory / "params", loaded.params)
-    loaded.tokenizer.save_pretrained(directory / "tokenizer")
-    config = dataclasses.asdict(loaded.config)
-    manifest = {"format": FORMAT, "version": VERSION, "config": config, "source": str(loaded.path)}
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    if directory.exists():
+        raise ValueError(f"{directory} already exists: give a new directory")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    partial = directory.with_name(f".{directory.name}.partial-{os.getpid()}")
+    try:
+        partial.mkdir()
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(partial / "params", loaded.params)
+        loaded.tokenizer.save_pretrained(partial / "tokenizer")
+        config = dataclasses.asdict(loaded.config)
+        manifest = {"format": FORMAT, "version": VERSION, "config": config, "source": str(loaded.path)}
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        partial.rename(directory)  # published whole, or not at all
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return directory
 
 
