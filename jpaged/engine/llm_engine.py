@@ -29,7 +29,8 @@ import numpy as np
 from jpaged.core import beam_search
 from jpaged.core.block_manager import BlockManager
 from jpaged.core.detokenizer import append_text, find_stop, stream_safe_length
-from jpaged.core.kv_cache_manager import ForkingKVCacheManager, KVCacheManager, KVCacheSpec, blocks_for
+from jpaged.core.kv_cache_manager import (ForkingKVCacheManager, KVCacheManager, KVCacheSpec, blocks_for,
+                                          kv_utilization)
 from jpaged.core.sampling_params import SamplingParams
 from jpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jpaged.core.sequence import Sequence, SequenceGroup
@@ -402,17 +403,10 @@ class LLMEngine:
         blocks in use (a block shared by several tables counts once; a manager that reserves blocks
         ahead counts them as in use)."""
         bm = self.scheduler.block_manager
-        used = bm.num_blocks - 1 - bm.num_free_blocks
-        self.peak_used_blocks = max(self.peak_used_blocks, used)
-        if used:
-            filled = {}
-            for seq_id in bm.seq_ids:
-                if bm.is_swapped(seq_id):  # its table holds CPU block ids
-                    continue
-                table, n = bm.block_table(seq_id), bm.num_tokens(seq_id)
-                for j, block_id in enumerate(table):
-                    filled[block_id] = max(filled.get(block_id, 0), min(bm.block_size, n - j * bm.block_size))
-            self._utilization_sum += sum(filled.values()) / (used * bm.block_size)
+        self.peak_used_blocks = max(self.peak_used_blocks, bm.num_blocks - 1 - bm.num_free_blocks)
+        utilization = kv_utilization(bm)
+        if utilization is not None:
+            self._utilization_sum += utilization
             self._utilization_steps += 1
 
     def stats(self) -> dict:
