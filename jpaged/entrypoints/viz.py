@@ -144,6 +144,15 @@ def _draw_logical(ax, v: KVView, show_tokens: bool) -> None:
     ax.axis("off")
 
 
+def _num_device_blocks(kv: KVCacheManager, max_blocks: Optional[int], columns: int) -> int:
+    """The device blocks to draw: the first `max_blocks`, by default every row up to the highest
+    block id a block table names."""
+    if max_blocks is None:
+        highest = max((b for s in kv.seq_ids if not kv.is_swapped(s) for b in kv.block_table(s)), default=0)
+        max_blocks = columns * (highest // columns + 1)
+    return min(kv.num_blocks, max_blocks)
+
+
 def _num_cpu_blocks(kv: KVCacheManager, cpu: Optional[bool]) -> int:
     """The CPU blocks to draw: all of them when `cpu`, none when not, else all while any is in use."""
     n = getattr(kv, "num_cpu_blocks", 0)
@@ -156,7 +165,7 @@ def _draw_pool(ax, v: KVView, show_tokens: bool, max_blocks: Optional[int], colu
                cpu: Optional[bool]) -> None:
     """The device pool (and the CPU pool, see `_num_cpu_blocks`): filled slots coloured by holder."""
     kv, bs = v.kv, v.kv.block_size
-    pools = [("device", range(min(kv.num_blocks, max_blocks or kv.num_blocks)), False)]
+    pools = [("device", range(_num_device_blocks(kv, max_blocks, columns)), False)]
     if _num_cpu_blocks(kv, cpu):
         pools.append(("CPU", range(min(kv.num_cpu_blocks, max_blocks or kv.num_cpu_blocks)), True))
     y0 = 0.0
@@ -195,6 +204,9 @@ def _draw_pool(ax, v: KVView, show_tokens: bool, max_blocks: Optional[int], colu
             ax.text(x + bs / 2, y + 1.08, label, ha="center", va="bottom", fontsize=6.5,
                     weight="bold" if refs > 1 else "normal")
         y0 -= 1.6 * (-(-len(block_ids) // columns)) + 0.8
+        if not swapped and len(block_ids) < kv.num_blocks:
+            ax.text(0, y0 + 0.9, f"blocks {len(block_ids)}-{kv.num_blocks - 1} not drawn", fontsize=6.5,
+                    color="0.4", va="top")
     ax.set_xlim(-0.2, columns * (bs + 1))
     ax.set_ylim(y0 + 0.6, 1.7)
     ax.axis("off")
@@ -227,14 +239,15 @@ def draw_kv(views: KVView | Sequence[KVView], *, show_tokens: Optional[bool] = N
     several share it, with its refcount; free blocks white; cached-free blocks pale) and, when the
     engine has one, the CPU swap pool. The row's title names the step and its copy-on-write and
     swap operations. `show_tokens`: default when blocks are at most 8 slots; `max_blocks`: draw only
-    the first blocks of each pool. Returns the figure."""
+    the first blocks of each pool (default: the device pool's rows up to the highest block in a
+    table, every CPU block). Returns the figure."""
     plt = _plt()
     views = [views] if isinstance(views, KVView) else list(views)
     if not views:
         raise ValueError("draw_kv: no view to draw")
     bs = views[0].kv.block_size
     show_tokens = bs <= 8 if show_tokens is None else show_tokens
-    heights = [max(len(v.kv.seq_ids), 1 + (-(-min(v.kv.num_blocks, max_blocks or v.kv.num_blocks) // columns))
+    heights = [max(len(v.kv.seq_ids), 1 + (-(-_num_device_blocks(v.kv, max_blocks, columns) // columns))
                    + (1 + -(-_num_cpu_blocks(v.kv, cpu) // columns) if _num_cpu_blocks(v.kv, cpu) else 0))
                for v in views]
     fig, axes = plt.subplots(len(views), 2, squeeze=False, figsize=(13, sum(0.55 * h + 0.6 for h in heights)),
