@@ -215,3 +215,52 @@ def test_mixed_run_compiles_a_bounded_number_of_executables(make_llm, default_mo
           f"steps={stats['num_steps']} preemptions={stats['num_preemptions']}")
     assert 3 <= stats["num_compilations"] <= 20
     assert_idle(engine_llm)
+
+
+# ---- serving another parameter pytree (LLM(params=...), e.g. fine-tuned) ---------------------------
+
+def test_sequence_logits_match_the_dense_forward_at_every_position(default_model):
+    import numpy as np
+
+    from dense_reference import dense_logits
+    from jpaged.device.model import sequence_logits
+
+    short, long = [1, 9690, 198, 504, 3575], list(range(100, 140))  # two sequences packed in one pass
+    logits = sequence_logits(default_model.params, [short, long], config=default_model.config)
+    for ids, got in zip([short, long], logits):
+        assert got.shape == (len(ids), default_model.config.vocab_size)
+        np.testing.assert_allclose(np.asarray(got), dense_logits(default_model.params, default_model.config, ids),
+                                   rtol=2e-3, atol=2e-3)
+
+
+def test_llm_serves_the_params_it_is_given(llm, make_llm, default_model):
+    """A pytree of the model's layout is served as given: here the final norm negated, so greedy
+    decoding picks what `sequence_logits` of those parameters ranks first, not what the model does."""
+    import jax.numpy as jnp
+
+    from jpaged.device.model import sequence_logits
+
+    prompt = chat_token_ids(llm.tokenizer, "What is the capital of France?")
+    flipped = default_model.params.replace(final_norm=-default_model.params.final_norm)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    tuned = make_llm(params=flipped, num_blocks=16)
+    assert tuned.engine.model.params is not default_model.params and tuned.tokenizer is llm.tokenizer
+    first = tuned.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids[0]
+    base = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids[0]
+    expected = [int(jnp.argmax(sequence_logits(p, [prompt], config=default_model.config)[0][-1]))
+                for p in (flipped, default_model.params)]
+    assert [first, base] == expected and first != base
+    assert_idle(tuned)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda p: p.replace(final_norm=p.final_norm[:-1]), r"params.final_norm has shape \(575,\), this model's is \(576,\)"),
+    (lambda p: p.replace(layers=p.layers.replace(wq=p.layers.wq.astype("int32"))), "params.layers.wq has dtype int32"),
+    (lambda p: p.replace(lm_head=p.embed.T), "params have an lm_head, but this model's embeddings are tied"),
+    (lambda p: {"embed": p.embed}, "params must be a LlamaParams"),
+])
+def test_params_of_another_layout_are_refused_before_anything_is_built(default_model, change, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(loaded=default_model, num_blocks=16, params=change(default_model.params))
+    with pytest.raises(ValueError, match="give params or runner, not both"):
+        LLM(loaded=default_model, num_blocks=16, params=default_model.params, runner=object())

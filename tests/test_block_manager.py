@@ -407,3 +407,17 @@ def test_snapshots_with_different_shard_widths_coexist():
         bm = bm.free(["a", "b"])
         bm.check_invariants()
         assert bm.num_free_blocks == 63
+
+
+def test_filled_slots_and_kv_utilization_count_a_shared_block_once():
+    from jpaged.core.kv_cache_manager import filled_slots, kv_utilization
+
+    bm = paper_pool(num_cpu_blocks=4)
+    assert filled_slots(bm) == {} and kv_utilization(bm) is None
+    bm, _ = bm.allocate("A", PROMPT)  # blocks 7 (4 filled), 1 (3 filled)
+    bm = bm.fork("A", "B")  # shares both
+    assert filled_slots(bm) == {7: 4, 1: 3} and kv_utilization(bm) == 7 / 8
+    bm, _ = bm.allocate("C", PROMPT[:1])  # block 3, 1 filled
+    assert kv_utilization(bm) == 8 / 12
+    bm, _ = bm.swap_out(["C"])
+    assert filled_slots(bm, swapped=True) == {0: 1} and kv_utilization(bm) == 7 / 8

@@ -76,6 +76,31 @@ def slot_ids(block_table: Sequence[int], start: int, end: int, block_size: int) 
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
+def filled_slots(manager: KVCacheManager, *, swapped: bool = False) -> dict[int, int]:
+    """Block id -> token slots holding K/V, for every device block (or, with `swapped`, CPU block)
+    named by a sequence's block table; a block shared by several tables is counted once (shared
+    blocks hold the same prefix)."""
+    filled: dict[int, int] = {}
+    bs = manager.block_size
+    for seq_id in manager.seq_ids:
+        if manager.is_swapped(seq_id) != swapped:
+            continue
+        n = manager.num_tokens(seq_id)
+        for j, block_id in enumerate(manager.block_table(seq_id)):
+            filled[block_id] = max(filled.get(block_id, 0), min(bs, n - j * bs))
+    return filled
+
+
+def kv_utilization(manager: KVCacheManager) -> Optional[float]:
+    """Token slots holding K/V over the slots of the device blocks in use (a block shared by several
+    tables counts once; a manager that reserves blocks ahead counts them as in use); None when no
+    block is in use."""
+    used = manager.num_blocks - 1 - manager.num_free_blocks
+    if not used:
+        return None
+    return sum(filled_slots(manager).values()) / (used * manager.block_size)
+
+
 @runtime_checkable
 class KVCacheManager(Protocol):
     """An immutable snapshot of which blocks hold which sequences' tokens (see the module docstring).

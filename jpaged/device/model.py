@@ -7,17 +7,27 @@ the traced layer index: with the cache donated, a step writes only its new token
 
 Math follows HF transformers' `LlamaForCausalLM`: RMSNorm (computed in float32), rotate-half RoPE,
 grouped-query attention, SwiGLU MLP, tied or untied LM head.
+
+`sequence_logits(params, sequences, config=)` runs the same forward over whole token sequences
+(teacher forcing, through a scratch pool of their own): a differentiable function of the
+parameters, for fine-tuning them (`notebooks/finetune_then_serve.ipynb`) and for checks.
 """
 
 from __future__ import annotations
 
+import itertools
+from typing import NamedTuple, Sequence
+
 import jax
 import jax.numpy as jnp
 
-from jpaged.device.batch import ModelInputs
+from jpaged.device.attention.xla import XLABackend
+from jpaged.device.batch import ModelInputs, pack_rows
 from jpaged.device.config import ModelConfig
 from jpaged.device.kv_cache import KVCache
 from jpaged.device.params import LlamaParams
+
+_SCRATCH_BLOCK_SIZE = 16
 
 
 def rms_norm(x, weight, eps):
@@ -75,3 +85,31 @@ def compute_logits(params: LlamaParams, hidden) -> jax.Array:
     else:
         logits = jnp.einsum("...h,hv->...v", hidden, params.lm_head)
     return logits.astype(jnp.float32)
+
+
+class _Row(NamedTuple):  # the fields of `jpaged.device.batch.pack_rows`'s rows
+    token_ids: Sequence[int]
+    start_position: int
+    slots: Sequence[int]
+    block_table: Sequence[int]
+
+
+def sequence_logits(params: LlamaParams, sequences: Sequence[Sequence[int]], *, config: ModelConfig,
+                    backend=None) -> list[jax.Array]:
+    """The logits f32[len(s), vocab] at every position of each token sequence in `sequences` (row t
+    predicts token t + 1): the engine's prefill over a scratch KV pool holding these sequences alone,
+    so a differentiable function of `params` (`jax.grad` of a loss built on it fine-tunes them).
+    Token ids are static: each new set of lengths traces anew. `backend`: the XLA path by default."""
+    bs, rows, next_block = _SCRATCH_BLOCK_SIZE, [], 1  # block 0 is the null block
+    for ids in sequences:
+        n = len(ids)
+        if n == 0:
+            raise ValueError("sequence_logits: a sequence is empty")
+        table = list(range(next_block, next_block - (-n // bs)))
+        next_block += len(table)
+        rows.append(_Row(list(ids), 0, [table[p // bs] * bs + p % bs for p in range(n)], table))
+    inputs = pack_rows(rows, block_size=bs, q_tile=64, k_tile=128)
+    cache = KVCache.create(config, next_block, bs, params.embed.dtype)
+    _, hidden = forward(params, cache, inputs, config=config, backend=backend or XLABackend())
+    starts = [0, *itertools.accumulate(len(ids) for ids in sequences)]
+    return [compute_logits(params, hidden[a:b]) for a, b in zip(starts, starts[1:])]

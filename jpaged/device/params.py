@@ -57,6 +57,26 @@ def num_params(config) -> int:
     return config.vocab_size * h + config.num_layers * per_layer + h + lm_head
 
 
+def check_params(params, config) -> None:
+    """Raises ValueError, naming the first leaf that differs, unless `params` is a `LlamaParams` with
+    the layout and shapes of a model of this configuration (floating-point leaves; an untied
+    `lm_head` exactly when the model has one). Reads no data: what `init_params` would build is
+    compared by shape alone."""
+    if not isinstance(params, LlamaParams):
+        raise ValueError(f"params must be a LlamaParams (jpaged.device.params), got {type(params).__name__}")
+    expected = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    if (params.lm_head is None) != (expected.lm_head is None):
+        raise ValueError(f"params {'lack' if params.lm_head is None else 'have'} an lm_head, but this model's "
+                         f"embeddings are {'untied' if params.lm_head is None else 'tied'}")
+    for (path, leaf), want in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(expected)):
+        name = jax.tree_util.keystr(path).lstrip(".")
+        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+        if shape != want.shape:
+            raise ValueError(f"params.{name} has shape {shape}, this model's is {want.shape}")
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"params.{name} has dtype {dtype}: parameters are floating-point")
+
+
 def cast_params(params: LlamaParams, dtype) -> LlamaParams:
     """Returns `params` with every floating leaf cast to `dtype`."""
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)

@@ -30,13 +30,14 @@ import numpy as np
 from jpaged.core import beam_search
 from jpaged.core.block_manager import BlockManager
 from jpaged.core.detokenizer import append_text, find_stop, stream_safe_length
-from jpaged.core.kv_cache_manager import ForkingKVCacheManager, KVCacheManager, KVCacheSpec, blocks_for
+from jpaged.core.kv_cache_manager import (ForkingKVCacheManager, KVCacheManager, KVCacheSpec, blocks_for,
+                                          kv_utilization)
 from jpaged.core.sampling_params import SamplingParams
 from jpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jpaged.core.sequence import Sequence, SequenceGroup
 from jpaged.device.attention import get_backend
 from jpaged.device.kv_cache import bytes_per_block, check_pool_fits, num_blocks_for_memory, parse_memory_size
-from jpaged.device.params import cast_params, num_params
+from jpaged.device.params import LlamaParams, cast_params, check_params, num_params
 from jpaged.device.runner import ModelRunner, SampleRow
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.observer import StepObserver, StepRecord
@@ -55,12 +56,16 @@ class LLMEngine:
       instead of allocating a new pool; it must match the model and the pool's geometry;
     kv_cache_manager: a factory `KVCacheSpec -> KVCacheManager` (default: paging,
       `BlockManager.from_spec`); the scheduler talks to what it builds through the
-      `jpaged.core.kv_cache_manager` protocols.
+      `jpaged.core.kv_cache_manager` protocols;
+    params: a parameter pytree (`jpaged.device.params.LlamaParams`) to serve instead of the
+      model's own, e.g. fine-tuned ones, of the model's layout and shapes (checked before anything
+      is loaded; cast to the engine's parameter dtype). The model's tokenizer and configuration are
+      kept; give `loaded=` too so that the model's files are not read again.
     """
 
     def __init__(self, config: EngineConfig = EngineConfig(), *, loaded: Optional[LoadedModel] = None,
                  runner: Optional[ModelRunner] = None, kv_cache_manager: Optional[KVCacheManagerFactory] = None,
-                 **overrides):
+                 params: Optional[LlamaParams] = None, **overrides):
         config = dataclasses.replace(config, **overrides)  # every field checked: nothing is loaded yet
         self.config = config
         dtype = config.jnp_dtype  # the KV pool's
@@ -70,6 +75,10 @@ class LLMEngine:
         backend = None if runner is not None else get_backend(config.attention_backend, interpret=config.interpret)
         # the pool is sized and checked against the memory there is before any weight is read
         model_config = loaded.config if loaded is not None else read_config(config.model)
+        if params is not None:
+            if runner is not None:
+                raise ValueError("give params or runner, not both: a runner serves the parameters it holds")
+            check_params(params, model_config)
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         num_blocks = config.num_blocks or num_blocks_for_memory(
@@ -89,6 +98,8 @@ class LLMEngine:
         if loaded is not None and loaded.params.embed.dtype != self.param_dtype:
             loaded = dataclasses.replace(loaded, params=cast_params(loaded.params, self.param_dtype))
         self.model = loaded if loaded is not None else load_model(config.model, dtype=self.param_dtype)
+        if params is not None:
+            self.model = dataclasses.replace(self.model, params=cast_params(params, self.param_dtype))
         self.tokenizer = self.model.tokenizer
         model_config = self.model.config
         self.kv_cache_spec = KVCacheSpec(num_blocks=num_blocks, block_size=config.block_size,
@@ -469,17 +480,10 @@ class LLMEngine:
         blocks in use (a block shared by several tables counts once; a manager that reserves blocks
         ahead counts them as in use)."""
         bm = self.scheduler.block_manager
-        used = bm.num_blocks - 1 - bm.num_free_blocks
-        self.peak_used_blocks = max(self.peak_used_blocks, used)
-        if used:
-            filled = {}
-            for seq_id in bm.seq_ids:
-                if bm.is_swapped(seq_id):  # its table holds CPU block ids
-                    continue
-                table, n = bm.block_table(seq_id), bm.num_tokens(seq_id)
-                for j, block_id in enumerate(table):
-                    filled[block_id] = max(filled.get(block_id, 0), min(bm.block_size, n - j * bm.block_size))
-            self._utilization_sum += sum(filled.values()) / (used * bm.block_size)
+        self.peak_used_blocks = max(self.peak_used_blocks, bm.num_blocks - 1 - bm.num_free_blocks)
+        utilization = kv_utilization(bm)
+        if utilization is not None:
+            self._utilization_sum += utilization
             self._utilization_steps += 1
 
     def stats(self) -> dict:

@@ -29,12 +29,14 @@ class LLM:
 
     def __init__(self, model: Optional[str] = None, block_size: int = 16, num_blocks: Optional[int] = None,
                  kv_cache_memory: str | int = "1GiB", dtype: str = "float32", *,
-                 loaded: Optional[LoadedModel] = None, runner=None, kv_cache_manager=None, **kwargs):
+                 loaded: Optional[LoadedModel] = None, runner=None, kv_cache_manager=None, params=None, **kwargs):
         """`loaded` reuses an already loaded model (e.g. one `load_model()` shared by several LLMs);
-        `runner` and `kv_cache_manager` are passed to `LLMEngine`."""
+        `params` serves another parameter pytree of that model's layout (e.g. fine-tuned:
+        `LLM(loaded=llm.engine.model, params=tuned)`); `runner`, `kv_cache_manager` and `params`
+        are passed to `LLMEngine`."""
         self.engine = LLMEngine(EngineConfig(model=model, block_size=block_size, num_blocks=num_blocks,
                                              kv_cache_memory=kv_cache_memory, dtype=dtype, **kwargs),
-                                loaded=loaded, runner=runner, kv_cache_manager=kv_cache_manager)
+                                loaded=loaded, runner=runner, kv_cache_manager=kv_cache_manager, params=params)
         self.tokenizer = self.engine.tokenizer
         self._request_counter = itertools.count()
         self.last_run: dict = {}
