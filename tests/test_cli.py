@@ -86,6 +86,8 @@ def test_options_are_checked_before_the_model_loads(run_cli, monkeypatch):
     (["--grace-period", "-1"], "grace_period_s=-1"),
     (["--max-num-seqs", "0"], "max_num_seqs must be"),
     (["--model", "/no/such/model"], "/no/such/model"),
+    (["--api-key", ""], "the API key is empty"),
+    (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1:8000"),  # an address this machine does not have
 ])
 def test_serve_refuses_bad_options_before_loading(monkeypatch, capsys, argv, message):
     from jpaged.entrypoints import server

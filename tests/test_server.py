@@ -226,14 +226,32 @@ def test_bad_requests_get_400s_while_others_stream(server, reference):
         "no prompt": (json.dumps({"model": MODEL}).encode(), "'prompt' must be"),
         "bad n with greedy": (json.dumps({"model": MODEL, "prompt": "x", "n": 2, "temperature": 0}).encode(),
                               "2 identical samples"),
+        "deeply nested JSON": (b"[" * 100000 + b"]" * 100000, "nests JSON too deeply"),
+        "max_tokens past the context": (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 10**9}).encode(),
+                                        "exceed the model's context of 8192 tokens: ask for at most"),
+        "max_completion_tokens": (json.dumps({"model": MODEL, "messages": QUESTION, "max_completion_tokens": 0}
+                                             ).encode(), "max_completion_tokens must be"),
+        "beam search with logprobs": (json.dumps({"model": MODEL, "prompt": "x", "beam_width": 2, "logprobs": 1,
+                                                  "temperature": 0}).encode(), "not returned with beam search"),
+        "stream_options without a stream": (json.dumps({"model": MODEL, "prompt": "x", "stream_options": {
+            "include_usage": True}}).encode(), "goes with \"stream\": true"),
+        "top_logprobs out of range": (json.dumps({"model": MODEL, "messages": QUESTION, "logprobs": True,
+                                                  "top_logprobs": 30}).encode(), "'top_logprobs' must be"),
     }
     for name, (body, message) in bad.items():
-        status, text = server.raw("POST", "/v1/completions", body)
+        path = "/v1/chat/completions" if b'"messages"' in body else "/v1/completions"
+        status, text = server.raw("POST", path, body)
         error = json.loads(text)["error"]
         errors[name] = (status, error["type"])
         assert status == 400 and message in error["message"], (name, status, error)
     status, text = server.raw("POST", "/v1/completions", json.dumps({"model": "gpt-4", "prompt": "x"}).encode())
     assert status == 404 and json.loads(text)["error"]["code"] == "model_not_found"
+    # fields jpaged does not implement pass at the values that change nothing (clients send them);
+    # max_tokens null is the default (16)
+    neutral = {"model": MODEL, "prompt": "x", "max_tokens": None, "temperature": 0, "presence_penalty": 0,
+               "frequency_penalty": 0, "logit_bias": {}, "ignore_eos": True}
+    status, text = server.raw("POST", "/v1/completions", json.dumps(neutral).encode())
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 16
     with pytest.raises(openai.BadRequestError, match="top_p must be in"):
         client.completions.create(model=MODEL, prompt="hi", top_p=2.0)
     thread.join()
@@ -245,7 +263,7 @@ def test_bad_requests_get_400s_while_others_stream(server, reference):
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not-streamed"])
 def test_a_client_that_disconnects_frees_its_blocks(server, stream):
-    aborted = server.metric("jpaged_requests_finished_total", default=0.0, reason="abort")
+    aborted = server.metric("jpaged_completions_finished_total", default=0.0, reason="abort")
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     body = json.dumps({"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 2000, "stream": stream,
                        "ignore_eos": True})  # minutes of decoding unless it is aborted
@@ -266,7 +284,7 @@ def test_a_client_that_disconnects_frees_its_blocks(server, stream):
         conn.close()
     server.wait_idle(timeout=30)
     assert_all_free(server.engine)
-    assert server.metric("jpaged_requests_finished_total", reason="abort") == aborted + 1
+    assert server.metric("jpaged_completions_finished_total", reason="abort") == aborted + 1
 
 
 def test_limits_and_endpoints(server, make_llm):
@@ -294,6 +312,8 @@ def test_limits_and_endpoints(server, make_llm):
         assert refused and all(r.status_code == 503 and "too many requests are waiting" in r.message for r in refused)
         assert served and all(len(r.choices[0].text) > 0 for r in served)
         assert len(refused) + len(served) == 8
+        with pytest.raises(openai.BadRequestError, match="at most 2 prompts"):
+            small.client().completions.create(model=MODEL, prompt=["a", "b", "c"], max_tokens=2)
         small.wait_idle()
         assert_all_free(small.engine)
     finally:
@@ -313,6 +333,7 @@ def test_api_keys(make_llm):
             keyed.client(api_key="wrong").completions.create(model=MODEL, prompt="hi", max_tokens=2)
         r = keyed.client(api_key="s3cret").completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert r.choices[0].finish_reason == "length"
+        assert keyed.raw("GET", "/v1/models", headers={"Authorization": "bearer s3cret"})[0] == 200
     finally:
         keyed.stop()
 
@@ -322,8 +343,9 @@ def test_api_keys(make_llm):
 def test_jpaged_serve_answers_and_drains_on_sigterm(tmp_path):
     port = free_port()
     env = {**os.environ, "JPAGED_API_KEY": "k3y"}
+    grace = 15
     process = subprocess.Popen([sys.executable, "-m", "jpaged.entrypoints.cli", "serve", "--port", str(port),
-                                "--num-blocks", "64", "--served-model-name", MODEL, "--grace-period", "60"],
+                                "--num-blocks", "512", "--served-model-name", MODEL, "--grace-period", str(grace)],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k3y", max_retries=0)
@@ -336,17 +358,24 @@ def test_jpaged_serve_answers_and_drains_on_sigterm(tmp_path):
             except openai.APIConnectionError:
                 assert time.monotonic() < deadline, "jpaged serve did not come up"
                 time.sleep(0.5)
-        stream = client.completions.create(model=MODEL, prompt="Count to fifty:", max_tokens=40, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
-        first = next(iter(stream))
-        process.send_signal(signal.SIGTERM)  # the running request may finish; nothing new is admitted
-        rest = list(stream)
+        short = client.completions.create(model=MODEL, prompt="Count to fifty:", max_tokens=40, temperature=0,
+                                          stream=True, extra_body={"ignore_eos": True})
+        endless = client.completions.create(model=MODEL, prompt="Count to a million:", max_tokens=4000,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+        first, _ = next(iter(short)), next(iter(endless))
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)  # nothing new comes in; the running requests have `grace` seconds
+        rest = list(short)  # finishes within the grace period
         assert first.choices and [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
+        cut = list(endless)  # aborted past it: a last chunk, then [DONE] (the client's iteration just ends)
+        assert cut[-1].choices[0].finish_reason == "stop" and time.monotonic() - started >= grace - 1
+        assert len(cut) < 4000
         assert process.wait(timeout=90) == -signal.SIGTERM  # drained, then ended by the signal (uvicorn's way)
         with pytest.raises(openai.APIConnectionError):
             client.models.list()
         log = process.stderr.read()
-        assert re.search(r"serving smol on http://127\.0\.0\.1:\d+", log) and "every request finished" in log, log
+        assert re.search(r"serving smol on http://127\.0\.0\.1:\d+", log), log
+        assert "1 request(s) past the grace period were aborted" in log and "Traceback" not in log, log
     finally:
         if process.poll() is None:
             process.kill()

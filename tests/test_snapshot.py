@@ -140,7 +140,8 @@ def test_missing_foreign_and_truncated_directories_are_named(paused, default_mod
     broken = tmp_path / "broken"
     shutil.copytree(paused[0], broken)
     step = max(int(p.name) for p in broken.iterdir() if p.name.isdigit())
-    files = sorted((p for p in (broken / str(step) / "state").rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size)
+    files = sorted((p for p in (broken / str(step) / "state").rglob("*") if p.is_file()),
+                   key=lambda p: -p.stat().st_size)
     with open(files[0], "r+b") as f:  # the largest array file, cut in half
         f.truncate(files[0].stat().st_size // 2)
     with pytest.raises(ValueError, match=f"{broken / str(step) / 'state'}: cannot read the saved state"):

@@ -18,7 +18,8 @@ class SamplingParams:
       sample i draws as a single-sample request with seed `seed + i`. None draws one from the engine.
     stop: strings that end a sample (not included in the text); stop_token_ids likewise.
     logprobs: return, for every generated token, the log-probabilities of the `logprobs` most likely
-      tokens and of the token chosen (vLLM's and OpenAI's meaning; 0: the chosen token's alone).
+      tokens and of the token chosen (vLLM's and OpenAI's meaning; 0: the chosen token's alone); not
+      with beam search, whose beams carry their cumulative_logprob.
     """
 
     n: int = 1
@@ -64,6 +65,8 @@ class SamplingParams:
         if self.use_beam_search:
             _check(self.n == 1, "use either n > 1 (sampling) or beam_width > 1 (beam search), not both")
             _check(not self.stop, "stop strings are not supported with beam search: use stop_token_ids")
+            _check(self.logprobs is None, "logprobs are not returned with beam search (each beam's "
+                   "cumulative_logprob is): leave logprobs unset")
             _check(self.temperature in (0, 1) and self.top_p == 1 and self.top_k == 0,
                    "beam search is deterministic: temperature, top_p and top_k do not apply to it (leave them "
                    f"at their defaults), got temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}")

@@ -455,10 +455,9 @@ class LLMEngine:
         """A beam group's finished hypotheses (once done) or running beams, best first; otherwise
         the samples in order. Text still open to a stop string is held back (never retracted)."""
         p = group.params
-        logprobs = [] if p.logprobs is not None else None  # beams carry no per-token top log-probabilities
-        if p.use_beam_search and not group.seqs:
+        if p.use_beam_search and not group.seqs:  # (beam search returns no per-token logprobs: SamplingParams)
             return [CompletionOutput(i, self.tokenizer.decode(h.output_token_ids, skip_special_tokens=True),
-                                     list(h.output_token_ids), h.cumulative_logprob, h.finish_reason, logprobs)
+                                     list(h.output_token_ids), h.cumulative_logprob, h.finish_reason, None)
                     for i, h in enumerate(group.beam_state.finished)]
         if p.use_beam_search:
             seqs = sorted(group.seqs, key=lambda s: -s.cumulative_logprob)

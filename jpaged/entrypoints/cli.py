@@ -93,6 +93,7 @@ def engine_config(args):
 
 def serve(args) -> int:
     import pathlib
+    import socket
 
     from jpaged.engine import LLMEngine
     from jpaged.entrypoints import server
@@ -104,6 +105,12 @@ def serve(args) -> int:
                                         grace_period_s=args.grace_period)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as probe:  # before loading
+        try:
+            probe.bind((args.host, args.port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}): pass another --port "
+                             "or --host") from None
     status = _Status(sys.stderr.isatty())
     status.say(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
     server.serve(LLMEngine(config), server_config, host=args.host, port=args.port)

@@ -26,6 +26,10 @@ COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n
                      "stream", "stream_options", "user", "top_k", "beam_width", "ignore_eos"}
 CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt"}) | {"messages", "max_completion_tokens", "top_logprobs"}
 DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
+# fields jpaged does not implement, accepted at the values that change nothing (clients send them)
+NEUTRAL = {"presence_penalty": (0, None), "frequency_penalty": (0, None), "logit_bias": ({}, None),
+           "best_of": (1, None), "echo": (False, None), "suffix": (None,), "parallel_tool_calls": (None,),
+           "tools": (None, []), "tool_choice": (None, "none")}
 
 
 class ApiError(Exception):
@@ -60,6 +64,8 @@ def parse_json(body: bytes) -> dict:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ApiError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError("the request body nests JSON too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(f"the request body must be a JSON object, got {type(data).__name__}")
     return data
@@ -68,7 +74,7 @@ def parse_json(body: bytes) -> dict:
 def parse_request(data: dict, *, chat: bool, model_name: str) -> ParsedRequest:
     """Checks a decoded request body. Raises ApiError naming the field to change."""
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    unknown = sorted(set(data) - allowed)
+    unknown = sorted(k for k in set(data) - allowed if data[k] not in NEUTRAL.get(k, ()))
     if unknown:
         raise ApiError(f"unsupported field(s) {', '.join(map(repr, unknown))}; this server understands "
                        f"{', '.join(sorted(allowed))}", param=unknown[0])
@@ -88,10 +94,18 @@ def parse_request(data: dict, *, chat: bool, model_name: str) -> ParsedRequest:
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(f"'stream' must be true or false, got {stream!r}", param="stream")
-    options = data.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise ApiError("'stream_options' may only hold 'include_usage'", param="stream_options")
-    max_tokens = data.get("max_completion_tokens", data.get("max_tokens", None if chat else DEFAULT_MAX_TOKENS))
+    options = data.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise ApiError("'stream_options' goes with \"stream\": true", param="stream_options")
+        if not (isinstance(options, dict) and set(options) <= {"include_usage"}
+                and isinstance(options.get("include_usage", False), bool)):
+            raise ApiError("'stream_options' may only hold 'include_usage': true or false", param="stream_options")
+    options = options or {}
+    name = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = data.get(name)  # null is the default too
+    if max_tokens is None and not chat:
+        max_tokens = DEFAULT_MAX_TOKENS
     max_tokens_given = max_tokens is not None
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens  # set per prompt by the server
     logprobs, num_logprobs = _logprobs(data, chat)
@@ -105,7 +119,8 @@ def parse_request(data: dict, *, chat: bool, model_name: str) -> ParsedRequest:
     try:
         params = SamplingParams(**fields)
     except ValueError as e:
-        raise ApiError(str(e)) from None
+        message = str(e).replace("max_tokens", name, 1) if str(e).startswith("max_tokens") else str(e)
+        raise ApiError(message, param=next((f for f in (name, *fields) if message.startswith(f)), None)) from None
     return ParsedRequest(chat=chat, prompts=prompts, params=params, stream=stream,
                          include_usage=bool(options.get("include_usage", False)), logprobs=logprobs, model=model,
                          max_tokens_given=max_tokens_given)
@@ -138,6 +153,8 @@ def _logprobs(data: dict, chat: bool) -> tuple[bool, Optional[int]]:
         raise ApiError(f"'logprobs' must be true or false, got {wanted!r}", param="logprobs")
     if top is not None and not wanted:
         raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    if top is not None and not (isinstance(top, int) and not isinstance(top, bool) and 0 <= top <= 20):
+        raise ApiError(f"'top_logprobs' must be an integer in [0, 20], got {top!r}", param="top_logprobs")
     return wanted, (top or 0) if wanted else None
 
 

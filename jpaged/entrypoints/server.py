@@ -17,8 +17,10 @@ or `JPAGED_API_KEY`) every endpoint but /health needs `Authorization: Bearer KEY
 Request bodies are bounded (413), prompts by the model's context (400), and the waiting queue
 (503 past it). A client that disconnects before its answer (streamed or not) aborts its request,
 which frees its blocks.
-SIGTERM: admission stops (503), running requests get a grace period to finish, the rest are
-aborted, and the process ends by that signal (uvicorn re-raises it, so the exit status says SIGTERM).
+SIGTERM: the server stops listening (new connections are refused, requests on open connections
+get 503), running requests get a grace period to finish, the rest are aborted (their streams end
+with a last chunk and [DONE]), and the process ends by that signal (uvicorn re-raises it,
+so the exit status says SIGTERM).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class ServerConfig:
     grace_period_s: float = 30.0  # after SIGTERM, how long running requests may take to finish
 
     def __post_init__(self):
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty: give a key, or none to serve without one")
         if self.max_request_bytes < 1 or self.max_waiting < 1 or self.grace_period_s < 0:
             raise ValueError(f"bad server limits: max_request_bytes={self.max_request_bytes}, "
                              f"max_waiting={self.max_waiting}, grace_period_s={self.grace_period_s}")
@@ -70,7 +74,8 @@ class Metrics:
                               registry=r)
         self.preemptions = Gauge("jpaged_preemptions", "Preemptions since the engine started", registry=r)
         self.generated = Counter("jpaged_generation_tokens", "Tokens generated", registry=r)
-        self.finished = Counter("jpaged_requests_finished", "Requests finished, by reason", ["reason"], registry=r)
+        self.finished = Counter("jpaged_completions_finished", "Completions finished (one per choice, or per "
+                                "beam-search hypothesis), by finish reason", ["reason"], registry=r)
         self.ttft = Histogram("jpaged_time_to_first_token_seconds", "Time to the first token", registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.itl = Histogram("jpaged_inter_token_latency_seconds", "Time between a request's tokens", registry=r,
@@ -139,18 +144,21 @@ class EngineLoop:
         self._wake.set()
         return queue
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> bool:
+        """Aborts a request at the next step; False when it had finished already."""
         try:
             self.engine.abort(request_id)
         except ValueError:  # finished meanwhile
-            pass
-        self._wake.set()
+            return False
+        finally:
+            self._wake.set()
+        return True
 
-    def abort_all(self) -> None:
+    def abort_all(self) -> int:
+        """Aborts every request not finished; returns how many."""
         with self._lock:
             ids = list(self._queues)
-        for request_id in ids:
-            self.abort(request_id)
+        return sum(self.abort(request_id) for request_id in ids)
 
     def _run(self) -> None:
         while not self._stopping:
@@ -162,6 +170,7 @@ class EngineLoop:
                 outputs = self.engine.step()
             except Exception:  # noqa: BLE001 - a bug must not kill the loop that serves everyone
                 logger.exception("an engine step raised")
+                time.sleep(0.1)  # and must not spin
                 continue
             for out in outputs:
                 if out.finished:  # counted here: an aborted request's handler is gone
@@ -187,7 +196,7 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
 
     metrics = Metrics()
     loop = EngineLoop(engine, metrics)
-    state = {"admitting": True}
+    state = {"admitting": True, "aborted": 0}  # aborted: requests cut at shutdown
     tokenizer = engine.tokenizer
 
     def error(e: api.ApiError) -> JSONResponse:
@@ -196,8 +205,8 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
     def check_key(request: Request) -> None:
         if config.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), config.api_key.encode()):
             raise api.ApiError("a valid API key is needed: send 'Authorization: Bearer <key>'", status=401,
                                type="authentication_error", code="invalid_api_key")
 
@@ -216,6 +225,9 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
         """Queues one engine request per prompt; all or none."""
         if not state["admitting"]:
             raise api.ApiError("the server is shutting down", status=503, type="server_error")
+        if len(parsed.prompts) > config.max_waiting:
+            raise api.ApiError(f"a request may carry at most {config.max_waiting} prompts (--max-waiting), got "
+                               f"{len(parsed.prompts)}: split it", param="prompt")
         if engine.num_waiting() + len(parsed.prompts) > config.max_waiting:
             raise api.ApiError(f"too many requests are waiting ({config.max_waiting}): retry later", status=503,
                                type="server_error")
@@ -224,10 +236,15 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
             for i, prompt in enumerate(parsed.prompts):
                 if parsed.chat:
                     prompt = engine.chat_prompt(prompt)
-                params = parsed.params
+                text, ids = engine.tokenize(prompt)
+                prompt, params = {"prompt": text, "prompt_token_ids": ids}, parsed.params  # tokenized once
+                room = engine.max_model_len - len(ids)
                 if not parsed.max_tokens_given:  # to the end of the context, as the chat API does
-                    _, ids = engine.tokenize(prompt)
-                    params = dataclasses.replace(params, max_tokens=max(1, engine.max_model_len - len(ids)))
+                    params = dataclasses.replace(params, max_tokens=max(1, room))
+                elif params.max_tokens > room:
+                    raise ValueError(f"the prompt's {len(ids)} tokens and max_tokens={params.max_tokens} exceed the "
+                                     f"model's context of {engine.max_model_len} tokens: ask for at most "
+                                     f"{max(room, 0)} tokens")
                 rid = f"{request_id}-{i}"
                 queues.append((rid, loop.add(rid, prompt, params)))
         except ValueError as e:
@@ -254,10 +271,9 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
                 metrics.generated.inc(new)
                 self.last, self.tokens = now, tokens
 
-    async def final_outputs(queues) -> list[RequestOutput]:
+    async def final_outputs(queues, trackers) -> list[RequestOutput]:
         results = []
-        for _, queue in queues:
-            tracker = Tracker()
+        for (_, queue), tracker in zip(queues, trackers):
             while True:
                 out = await queue.get()
                 tracker.update(out)
@@ -266,7 +282,7 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
                     break
         return results
 
-    async def stream(parsed: api.ParsedRequest, request_id: str, queues):
+    async def stream(parsed: api.ParsedRequest, request_id: str, queues, trackers):
         created = int(time.time())
         n = parsed.params.beam_width if parsed.params.use_beam_search else parsed.params.n
         sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) sent
@@ -276,8 +292,7 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
                 for p in range(len(queues)):
                     for i in range(n):
                         yield api.sse(api.chunk(parsed, request_id, created, p * n + i, None, None, role=True))
-            for p, (_, queue) in enumerate(queues):
-                tracker = Tracker()
+            for p, ((_, queue), tracker) in enumerate(zip(queues, trackers)):
                 while True:
                     out = await queue.get()
                     tracker.update(out)
@@ -318,9 +333,10 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
             queues = admit(parsed, request_id)
         except api.ApiError as e:
             return error(e)
+        trackers = [Tracker() for _ in queues]  # every prompt's clock starts at admission
         if parsed.stream:
-            return StreamingResponse(stream(parsed, request_id, queues), media_type="text/event-stream")
-        outputs = asyncio.ensure_future(final_outputs(queues))
+            return StreamingResponse(stream(parsed, request_id, queues, trackers), media_type="text/event-stream")
+        outputs = asyncio.ensure_future(final_outputs(queues, trackers))
         gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait({outputs, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -330,7 +346,7 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
                 outputs.cancel()
                 for rid, _ in queues:
                     loop.abort(rid)
-        if outputs.cancelled():
+        if not outputs.done() or outputs.cancelled():
             return Response(status_code=499)  # nobody reads it
         outputs = outputs.result()
         failed = [o for o in outputs if o.error is not None]
@@ -374,13 +390,12 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
             deadline = time.monotonic() + config.grace_period_s
             while engine.has_unfinished() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            unfinished = engine.has_unfinished()
-            loop.abort_all()
+            state["aborted"] += loop.abort_all()
             while engine.has_unfinished() and time.monotonic() < deadline + 10:
                 await asyncio.sleep(0.05)
             loop.stop()
-            logger.warning("jpaged stopped: %s", "requests past the grace period were aborted" if unfinished
-                           else "every request finished")
+            logger.warning("jpaged stopped: %s", f"{state['aborted']} request(s) past the grace period were aborted"
+                           if state["aborted"] else "every request finished")
 
     app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
@@ -400,16 +415,31 @@ def serve(engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port
 
     app = build_app(engine, config)
 
+    state = app.state.admission
+
+    def abort_the_rest() -> None:  # past the grace period: aborted requests end their streams properly
+        state["aborted"] += app.state.loop.abort_all()
+
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # stop admitting at once, then let uvicorn drain
-            app.state.admission["admitting"] = False
+        def handle_exit(self, sig, frame):  # stop admitting at once; uvicorn drains the open connections
+            if state["admitting"]:
+                state["admitting"] = False
+                timer = threading.Timer(config.grace_period_s, abort_the_rest)
+                timer.daemon = True
+                timer.start()
             super().handle_exit(sig, frame)
 
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                logger.warning("jpaged serving %s on http://%s:%d (OpenAI API under /v1)", config.model_name,
+                               host, port)
+
+    # uvicorn cancels the handlers still running past its own timeout: give the aborted ones time to end
     server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                   timeout_graceful_shutdown=int(config.grace_period_s)))
+                                   timeout_graceful_shutdown=int(config.grace_period_s) + 10))
     if config.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it may use it (--api-key)", host)
-    logger.warning("jpaged serving %s on http://%s:%d (OpenAI API under /v1)", config.model_name, host, port)
     server.run()
 
 
