@@ -22,8 +22,9 @@ class EngineConfig:
     block_size: tokens per KV block (a power of two). num_blocks: the whole device pool, the null
       block included; when None it is sized from `kv_cache_memory` (bytes, or e.g. '1GiB').
     dtype: of the parameters and the KV pool; on a CPU, of the KV pool alone (the parameters and
-      the computation stay float32 there). attention_backend: 'auto' (Pallas on a GPU, XLA
-      elsewhere), 'pallas' or 'xla'; `interpret` runs the Pallas kernels in the interpreter.
+      the computation stay float32 there). attention_backend: 'auto' (Pallas on a GPU, the native
+      kernel on a CPU where it was built, else XLA), 'native', 'pallas' or 'xla'; `interpret`
+      runs the Pallas kernels in the interpreter.
     max_model_len: the longest sequence (prompt + output), at most the model's context.
     max_num_seqs / max_num_batched_tokens: a step's sequence and prefill-token budgets.
     preemption_mode: 'recompute' or 'swap' (into `swap_space` GiB of CPU blocks, as in vLLM).

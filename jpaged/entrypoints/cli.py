@@ -64,8 +64,9 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size when --num-blocks is not given")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="of the weights and the KV pool")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "xla"],
-                        help="auto: the Pallas kernels on a GPU, the XLA path elsewhere")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "pallas", "xla"],
+                        help="auto: the Pallas kernels on a GPU, the native C++ kernel on a CPU (where it was "
+                        "built at install), else the XLA path")
     parser.add_argument("--interpret", action="store_true",
                         help="run the Pallas kernels in the Pallas interpreter (slow: for checking them on a CPU)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once, at most")

@@ -17,19 +17,24 @@ cached position <= p of that row. This one rule covers decode (one token per row
 prefill on top of cached context (prefix caching, recompute). Every backend computes exact softmax
 attention; only the storage layout is paged.
 
-Backends: `xla` (`XLABackend`, the CPU fast path) and `pallas` (`PallasBackend`: the kernels of
-`pallas_kernels`, compiled on a GPU, `interpret=True` on a CPU for tests).
+Backends: `native` (`NativeBackend`: a C++ kernel through XLA's FFI that reads blocks in place, the
+CPU fast path where it was built), `xla` (`XLABackend`: plain XLA ops, on any device) and `pallas`
+(`PallasBackend`: the kernels of `pallas_kernels`, compiled on a GPU, `interpret=True` on a CPU for
+tests).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import jax
 
+from jpaged.device.attention import native
 from jpaged.device.attention.xla import XLABackend
 
-BACKENDS = ("auto", "pallas", "xla")
+BACKENDS = ("auto", "native", "pallas", "xla")
+logger = logging.getLogger("jpaged")
 
 
 class AttentionBackend(Protocol):
@@ -48,11 +53,28 @@ class AttentionBackend(Protocol):
 
 
 def get_backend(name: str = "auto", *, interpret: bool = False) -> AttentionBackend:
-    """'auto' picks the Pallas kernels on a GPU and the XLA path elsewhere."""
+    """'auto' picks the Pallas kernels on a GPU, the native kernel on a CPU where it was built, and the
+    XLA path elsewhere (saying so in one logged line on a CPU without the native kernel)."""
     if name == "auto":
-        name = "pallas" if jax.default_backend() == "gpu" else "xla"
+        if jax.default_backend() == "gpu":
+            name = "pallas"
+        elif jax.default_backend() == "cpu" and native.available_variants():
+            name = "native"
+        else:
+            if jax.default_backend() == "cpu":
+                logger.warning("the native CPU attention kernels were not built (no C++ compiler when jpaged was "
+                               "installed?): attention runs on the slower XLA path")
+            name = "xla"
     if name == "xla":
         return XLABackend()
+    if name == "native":
+        if jax.default_backend() != "cpu":
+            raise ValueError(f"the native attention kernels run on a CPU, and this machine runs JAX on "
+                             f"{jax.default_backend()!r}: use attention_backend='auto', 'pallas' or 'xla' here")
+        try:
+            return native.NativeBackend()
+        except native.NativeUnavailable as error:
+            raise ValueError(str(error)) from None
     if name == "pallas":
         if not interpret and jax.default_backend() != "gpu":
             raise ValueError(f"the Pallas kernels compile for a GPU only, and this machine runs JAX on "

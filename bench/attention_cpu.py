@@ -1,0 +1,211 @@
+"""Decode attention on the CPU: the native kernel against the XLA path and the memory-read bound.
+
+One decode step's attention over the default model's 30 layers (3 KV heads x 64, 9 query heads),
+on a pool laid out as jpaged's ([layers, blocks, 16, kv_heads, head_dim]) with every row's blocks
+scattered at random, in one jitted `lax.scan` over the layers as in the model (the pool is read in
+place at a traced layer index). For each (rows, context) case and pool dtype, side by side in one
+run: ms per step of the native kernel (`jpaged.device.attention.native`, the variant this CPU runs
+best) and of the XLA path (`xla_attend`, gathered key tiles), median of `--reps` alternating runs,
+and the read bound: the K/V bytes the step must read divided by the bandwidth measured in the same
+run (the best of a multi-threaded matrix-vector product and numpy sums on one thread per core, over
+a 1 GiB array). It also checks the two backends agree.
+
+    python bench/attention_cpu.py [--quick] [--reps 5] [--out bench/results]   # attention_cpu{,_quick}.json/.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `bench` and `jpaged` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from bench import common  # noqa: E402
+
+LAYERS, KV_HEADS, HEADS, HEAD_DIM, BLOCK = 30, 3, 9, 64, 16
+FULL = [(16, 480), (64, 480), (120, 128), (120, 480), (120, 1024), (120, "mixed")]
+QUICK = [(16, 480), (64, 480), (120, 480)]
+
+
+def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> dict:
+    """Read bandwidth (bytes/s) of this machine now: the best of a BLAS matrix-vector product (its
+    own threads) and numpy sums on one thread per core, each over `gib` GiB of float32."""
+    x = np.ones((int(gib * 2**30) // 4 // 1024, 1024), np.float32)
+    ones = np.ones(1024, np.float32)
+    gemv = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        x @ ones
+        gemv.append(x.nbytes / (time.perf_counter() - t))
+    parts = np.array_split(x, os.cpu_count() or 1)
+    threaded = []
+    for _ in range(reps):
+        threads = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
+        t = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        threaded.append(x.nbytes / (time.perf_counter() - t))
+    return dict(bytes_per_s=max(max(gemv), max(threaded)), gemv=max(gemv), numpy_threads=max(threaded))
+
+
+def context_lengths(rows: int, context, rng) -> np.ndarray:
+    if context == "mixed":
+        return rng.integers(16, 1025, rows)
+    return np.full(rows, context)
+
+
+def make_case(rows: int, context, dtype: str, rng):
+    """(pools, per-row block tables, context lengths) with every block of every row at a random place."""
+    import jax.numpy as jnp
+
+    from jpaged.device.attention.xla import storage_dtype
+
+    lens = context_lengths(rows, context, rng)
+    blocks = [-(-int(n) // BLOCK) for n in lens]
+    num_blocks = sum(blocks) + 1
+    order = rng.permutation(np.arange(1, num_blocks))
+    tables, start = [], 0
+    for n in blocks:
+        tables.append(order[start:start + n].tolist())
+        start += n
+    shape = (LAYERS, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    k = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+    v = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+    store = storage_dtype(dtype)
+    if store != k.dtype:  # bfloat16 pools are stored as their bits (see jpaged.device.attention.xla)
+        import jax
+        k, v = jax.lax.bitcast_convert_type(k, store), jax.lax.bitcast_convert_type(v, store)
+    return k, v, tables, lens
+
+
+def step_fn(backend, inputs):
+    """A jitted decode step's attention over every layer: each layer's output is the next one's query."""
+    import jax
+
+    def step(q, k, v):
+        def layer(q, layer_id):
+            return backend.attend(q, k, v, layer_id, inputs, HEAD_DIM ** -0.5), None
+        out, _ = jax.lax.scan(layer, q, np.arange(LAYERS, dtype=np.int32))
+        return out
+
+    return jax.jit(step)
+
+
+def run_case(rows, context, dtype, reps, bandwidth, rng, log=print) -> dict:
+    import jax
+
+    from jpaged.device.attention.native import NativeBackend, available_variants
+    from jpaged.device.attention.xla import XLABackend
+    from jpaged.device.batch import pack_rows
+    from jpaged.device.model import _Row
+
+    k, v, tables, lens = make_case(rows, context, dtype, rng)
+    packed = [_Row([0], int(n) - 1, [0], table) for n, table in zip(lens, tables)]
+    inputs = pack_rows(packed, block_size=BLOCK, q_tile=1, k_tile=64)  # the runner's decode tiles
+    q = rng.standard_normal((len(inputs.token_ids), HEADS, HEAD_DIM), np.float32)  # padded rows: see nothing
+    fns = {"native": step_fn(NativeBackend(), inputs), "xla": step_fn(XLABackend(), inputs)}
+    outs = {name: jax.block_until_ready(fn(q, k, v)) for name, fn in fns.items()}  # compile
+    times = {name: [] for name in fns}
+    for r in range(reps):
+        for name in (("native", "xla") if r % 2 == 0 else ("xla", "native")):
+            t = time.perf_counter()
+            jax.block_until_ready(fns[name](q, k, v))
+            times[name].append(time.perf_counter() - t)
+    itemsize = np.dtype(np.float32 if dtype == "float32" else np.uint16).itemsize
+    read_bytes = int(lens.sum()) * LAYERS * 2 * KV_HEADS * HEAD_DIM * itemsize
+    ms = {name: 1e3 * float(np.median(t)) for name, t in times.items()}
+    bound = 1e3 * read_bytes / bandwidth
+    diff = float(np.abs(np.asarray(outs["native"][:rows]) - np.asarray(outs["xla"][:rows])).max())
+    result = dict(rows=rows, context=context, dtype=dtype, mean_context=float(lens.mean()), read_bytes=read_bytes,
+                  read_bound_ms=bound, native_ms=ms["native"], xla_ms=ms["xla"],
+                  native_over_bound=ms["native"] / bound, xla_over_native=ms["xla"] / ms["native"],
+                  max_abs_difference=diff, native_variant=available_variants()[0],
+                  runs_ms={name: [1e3 * s for s in t] for name, t in times.items()})
+    log(f"  {rows:>4} rows x {str(context):>6} {dtype:<8}  bound {bound:7.1f} ms  native {ms['native']:7.1f}  "
+        f"xla {ms['xla']:8.1f}  native/bound {result['native_over_bound']:.2f}  xla/native "
+        f"{result['xla_over_native']:.1f}x  |diff| {diff:.1e}")
+    return result
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(out["dtypes"]), figsize=(6 * len(out["dtypes"]), 4), squeeze=False)
+    for ax, dtype in zip(axes[0], out["dtypes"]):
+        cases = [c for c in out["cases"] if c["dtype"] == dtype]
+        labels = [f"{c['rows']}x{c['context']}" for c in cases]
+        x = np.arange(len(cases))
+        for i, (key, label) in enumerate([("read_bound_ms", "read bound (measured bandwidth)"),
+                                          ("native_ms", "native kernel"), ("xla_ms", "XLA path")]):
+            ax.bar(x + (i - 1) * 0.27, [c[key] for c in cases], 0.27, label=label)
+        ax.set_xticks(x, labels)
+        ax.set_yscale("log")
+        ax.set_xlabel("rows x context")
+        ax.set_ylabel("ms per decode step (30 layers)")
+        ax.set_title(f"{dtype} pool")
+        ax.legend()
+    fig.suptitle(out["machine"].get("cpu_model") or "")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_table(out: dict) -> None:
+    print(f"\nbandwidth {out['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s; ms per decode step of {LAYERS} layers")
+    print("| pool | rows | context | read bound | native | XLA | native / bound | XLA / native |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in out["cases"]:
+        print(f"| {c['dtype']} | {c['rows']} | {c['context']} | {c['read_bound_ms']:.0f} | {c['native_ms']:.0f} | "
+              f"{c['xla_ms']:.0f} | {c['native_over_bound']:.2f} | {c['xla_over_native']:.1f}x |")
+
+
+def cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return f"{model} ({'AMX' if 'amx_tile' in flags else 'no AMX'}, {'AVX-512' if 'avx512f' in flags else 'no AVX-512'})"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"cases {QUICK} (default {FULL})")
+    parser.add_argument("--reps", type=int, default=5, help="timed runs per backend and case")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="pool dtypes, comma-separated")
+    parser.add_argument("--out", default=str(common.RESULTS_DIR))
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    import jax
+
+    print(f"JAX {jax.__version__} on {jax.default_backend()}")
+    rng = np.random.default_rng(0)
+    bandwidth = measure_bandwidth()
+    print(f"read bandwidth {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s (gemv {bandwidth['gemv'] / 1e9:.1f}, "
+          f"numpy threads {bandwidth['numpy_threads'] / 1e9:.1f})")
+    dtypes = args.dtypes.split(",")
+    cases = [run_case(rows, context, dtype, args.reps, bandwidth["bytes_per_s"], rng)
+             for dtype in dtypes for rows, context in (QUICK if args.quick else FULL)]
+    machine = common.machine_info()
+    machine["cpu_model"] = cpu_model()
+    out = dict(machine=machine, bandwidth=bandwidth, dtypes=dtypes, cases=cases, reps=args.reps)
+    return common.report(out, Path(args.out), common.results_stem("attention_cpu", args.quick), start, plot,
+                         print_table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,551 @@
+// Paged attention on the CPU, as an XLA FFI handler: reads K/V blocks in place through the block
+// tables (no gather into new buffers), one online softmax per (row, KV head, query chunk).
+//
+// Built three times by setup.py (AVX-512, AVX2 + FMA + F16C, portable), each a shared library that
+// exports the handler `JpagedPagedAttention`; jpaged/device/attention/native.py picks the variant
+// the CPU runs and registers it with jax.ffi. The code is plain C++ written for the vectoriser
+// (`#pragma omp simd` loops over the head dimension and over a tile of keys); the variants differ
+// only in the instructions the compiler may use.
+//
+// Operands (see native.py, which derives them from a step's ModelInputs):
+//   q        f32[N, H, D]            the packed new tokens' queries (H = KVH * G query heads)
+//   k_pool   T[L, NB, BS, KVH, D]    T = f32, f16, or u16 holding bfloat16 bit patterns
+//   v_pool   T[L, NB, BS, KVH, D]
+//   layer    s32[]                   which layer of the stacked pools to read
+//   tables   s32[B, M]               each row's physical blocks in logical order
+//   context  s32[B]                  tokens of each row in the cache after this step (its new ones included)
+//   q_start  s32[B], q_len s32[B]    row b's new tokens are q[q_start[b] : q_start[b] + q_len[b]],
+//                                    at positions context[b] - q_len[b] ... context[b] - 1
+//   attribute `scale` (f32)
+// Result: f32[N, H, D]; query token i of row b attends to the row's cached positions <= its own
+// (exact softmax; causal within the row). Tokens no row claims (padding) get zeros.
+//
+// Invariants: a row reads only the slots of positions < context[b] (unused slots may hold
+// anything, NaN included); block ids are checked against the pool (an out-of-range id, layer or
+// row fails the call with an error instead of reading out of bounds).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kTile = 16;         // keys per softmax update
+constexpr int kQueryChunk = 16;   // query tokens per work item (prefill); decode has one
+#ifndef JPAGED_PREFETCH_TILES
+#define JPAGED_PREFETCH_TILES 2
+#endif
+constexpr int kPrefetchTiles = JPAGED_PREFETCH_TILES;  // how far ahead the decode kernel prefetches
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---- 16-lane vectors (GCC's vector extensions) ------------------------------------------------
+//
+// One 512-bit register under AVX-512, two 256-bit ones under AVX2, four 128-bit ones in the
+// portable build.
+
+typedef float VF __attribute__((vector_size(64)));
+typedef int32_t VI __attribute__((vector_size(64)));
+typedef uint32_t VU __attribute__((vector_size(64)));
+typedef uint16_t VH __attribute__((vector_size(32)));
+typedef _Float16 VHF __attribute__((vector_size(32)));
+
+inline VF Splat(float x) { return VF{} + x; }
+
+const VI kLanes = VI{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+// exp(x) on 16 lanes, for x <= 0 (scores minus their running maximum): Cephes' single-precision
+// polynomial, within 2 ulp; x below -87 gives exp(-87), not 0 (callers mask what must be 0).
+inline VF ExpNonPositive16(VF x) {
+  x = x < -87.0f ? Splat(-87.0f) : x;
+  const VF shifter = Splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  VF n = (x * 1.44269504088896341f + shifter) - shifter;
+  VF r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  VF p = Splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  VF scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline float ExpNonPositive(float x) { return ExpNonPositive16(Splat(x))[0]; }
+
+// ---- element conversion ------------------------------------------------------------------------
+
+inline float BF16BitsToFloat(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float F16ToFloat(uint16_t h) {
+  _Float16 x;
+  std::memcpy(&x, &h, sizeof x);
+  return static_cast<float>(x);
+}
+
+enum class PoolType { kF32, kF16, kBF16Bits };
+
+// A pointer to `D` floats of one token's K or V for one head: the pool itself for float32,
+// else `scratch` filled with the widened values.
+inline const float* ReadRow(const void* pool, int64_t offset, int64_t D, PoolType type, float* scratch) {
+  switch (type) {
+    case PoolType::kF32:
+      return static_cast<const float*>(pool) + offset;
+    case PoolType::kBF16Bits: {
+      const uint16_t* src = static_cast<const uint16_t*>(pool) + offset;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) scratch[d] = BF16BitsToFloat(src[d]);
+      return scratch;
+    }
+    case PoolType::kF16: {
+      const uint16_t* src = static_cast<const uint16_t*>(pool) + offset;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) scratch[d] = F16ToFloat(src[d]);
+      return scratch;
+    }
+  }
+  return scratch;
+}
+
+// ---- one work item: a query chunk of one row against one KV head ------------------------------
+
+struct Problem {
+  const float* q;
+  const void* k;
+  const void* v;
+  PoolType type;
+  int64_t H, D, NB, BS, KVH, G, M;
+  int64_t layer_offset;  // elements before this layer's blocks
+  const int32_t* tables;
+  const int32_t* context;
+  const int32_t* q_start;
+  const int32_t* q_len;
+  float scale;
+  float* out;
+};
+
+struct WorkItem {
+  int32_t row, kv_head, chunk_start, chunk_len;
+  int64_t cost;
+  bool whole_row = false;  // a decode row, every head at once (the decode kernel)
+};
+
+// Returns false when the row names a block outside the pool.
+bool RunItem(const Problem& p, const WorkItem& item, std::vector<float>& buffer) {
+  const int64_t D = p.D, G = p.G, H = p.H;
+  const int64_t nvec = static_cast<int64_t>(item.chunk_len) * G;
+  const int64_t context = p.context[item.row];
+  const int64_t first_pos = context - p.q_len[item.row] + item.chunk_start;  // position of the chunk's first query
+  const int64_t last_pos = first_pos + item.chunk_len - 1;
+  const int32_t* table = p.tables + static_cast<int64_t>(item.row) * p.M;
+
+  // buffer: scaled queries [nvec, D] | acc [nvec, D] | k rows [kTile, D] | v rows [kTile, D]
+  buffer.resize(static_cast<size_t>(2 * nvec * D + 2 * kTile * D));
+  float* qs = buffer.data();
+  float* acc = qs + nvec * D;
+  float* k_scratch = acc + nvec * D;
+  float* v_scratch = k_scratch + kTile * D;
+  std::vector<float> m(nvec, kNegInf), l(nvec, 0.0f);
+  for (int64_t i = 0; i < item.chunk_len; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* src = p.q + ((p.q_start[item.row] + item.chunk_start + i) * H + item.kv_head * G + g) * D;
+      float* dst = qs + (i * G + g) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
+    }
+  }
+  std::fill(acc, acc + nvec * D, 0.0f);
+
+  const int64_t token_stride = p.KVH * D;  // between consecutive slots of a block
+  const int64_t block_stride = p.BS * token_stride;
+  const int64_t head_offset = p.layer_offset + item.kv_head * D;
+  const size_t elem = p.type == PoolType::kF32 ? 4 : 2;
+  const float* k_rows[kTile];
+  const float* v_rows[kTile];
+  float scores[kTile], probs[kTile];
+
+  for (int64_t tile = 0; tile <= last_pos; tile += kTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile, last_pos + 1 - tile));
+    for (int t = 0; t < n; ++t) {
+      const int64_t pos = tile + t;
+      const int64_t block = table[pos / p.BS];
+      if (block < 0 || block >= p.NB) return false;
+      const int64_t offset = head_offset + block * block_stride + (pos % p.BS) * token_stride;
+      k_rows[t] = ReadRow(p.k, offset, D, p.type, k_scratch + t * D);
+      v_rows[t] = ReadRow(p.v, offset, D, p.type, v_scratch + t * D);
+    }
+    // prefetch the next tile's rows (its blocks are anywhere in the pool)
+    for (int64_t pos = tile + kTile; pos < std::min<int64_t>(tile + 2 * kTile, last_pos + 1); ++pos) {
+      const int64_t block = table[pos / p.BS];
+      if (block < 0 || block >= p.NB) break;
+      const int64_t offset = (head_offset + block * block_stride + (pos % p.BS) * token_stride) * elem;
+      for (int64_t byte = 0; byte < D * static_cast<int64_t>(elem); byte += 64) {
+        __builtin_prefetch(static_cast<const char*>(p.k) + offset + byte);
+        __builtin_prefetch(static_cast<const char*>(p.v) + offset + byte);
+      }
+    }
+    for (int64_t j = 0; j < nvec; ++j) {
+      const int64_t q_pos = first_pos + j / G;
+      const int visible = static_cast<int>(std::min<int64_t>(n, q_pos + 1 - tile));  // causal: keys <= q_pos
+      if (visible <= 0) continue;
+      const float* qv = qs + j * D;
+      float tile_max = kNegInf;
+      for (int t = 0; t < visible; ++t) {
+        const float* kv = k_rows[t];
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < D; ++d) s += qv[d] * kv[d];
+        scores[t] = s;
+        tile_max = std::max(tile_max, s);
+      }
+      const float m_new = std::max(m[j], tile_max);
+      const float alpha = m[j] == kNegInf ? 0.0f : ExpNonPositive(m[j] - m_new);
+      VF tile_scores;
+      std::memcpy(&tile_scores, scores, sizeof tile_scores);  // lanes >= visible: masked just below
+      VF tile_probs = ExpNonPositive16(tile_scores - m_new);
+      tile_probs = kLanes < visible ? tile_probs : VF{};
+      std::memcpy(probs, &tile_probs, sizeof tile_probs);
+      float sum = 0.0f;
+      for (int t = 0; t < kTile; ++t) sum += probs[t];
+      m[j] = m_new;
+      l[j] = l[j] * alpha + sum;
+      float* a = acc + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+      for (int t = 0; t < visible; ++t) {
+        const float pt = probs[t];
+        const float* vv = v_rows[t];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += pt * vv[d];
+      }
+    }
+  }
+  for (int64_t i = 0; i < item.chunk_len; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t j = i * G + g;
+      const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
+      float* dst = p.out + ((p.q_start[item.row] + item.chunk_start + i) * H + item.kv_head * G + g) * D;
+      const float* a = acc + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) dst[d] = a[d] * inv;
+    }
+  }
+  return true;
+}
+
+
+// ---- decode: one query token per row, 16 keys per lane-parallel step ---------------------------
+//
+// The decode path keeps a tile's 16 scores in one 16-lane vector: each key's partial products
+// (D / 16 vectors, multiplied into one) are summed across lanes for 16 keys at once by a
+// transposing reduction tree, so the softmax (max, exp, sum) runs on whole vectors.
+
+template <PoolType T>
+inline VF Load16(const void* base, int64_t offset) {
+  if constexpr (T == PoolType::kF32) {
+    VF x;
+    std::memcpy(&x, static_cast<const float*>(base) + offset, sizeof x);
+    return x;
+  } else if constexpr (T == PoolType::kBF16Bits) {
+    VH h;
+    std::memcpy(&h, static_cast<const uint16_t*>(base) + offset, sizeof h);
+    VU u = __builtin_convertvector(h, VU) << 16;
+    VF x;
+    std::memcpy(&x, &u, sizeof x);
+    return x;
+  } else {
+    VHF h;
+    std::memcpy(&h, static_cast<const uint16_t*>(base) + offset, sizeof h);
+    return __builtin_convertvector(h, VF);
+  }
+}
+
+// out[t] = the sum of a[t]'s 16 lanes, for t = 0..15.
+inline VF SumLanes16(const VF* a) {
+  VF b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  VF e = __builtin_shufflevector(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  // lane 2m of e holds key bitrev3(m), lane 2m + 1 key 8 + bitrev3(m)
+  return __builtin_shufflevector(e, e, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+inline float MaxLanes(VF x) {
+  float m = x[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// One decode work item: a row's one query token, every KV head (the row's blocks are read whole,
+// K and V of all heads of 16 tokens contiguous in the pool), head_dim C * 16. Returns false on a
+// block outside the pool.
+template <PoolType T, int C>
+bool RunDecodeItem(const Problem& p, const WorkItem& item) {
+  constexpr int D = C * 16;
+  const int64_t G = p.G, H = p.H, KVH = p.KVH;
+  const int64_t context = p.context[item.row];
+  const int32_t* table = p.tables + static_cast<int64_t>(item.row) * p.M;
+  const int64_t token_stride = KVH * D;
+  const int64_t block_stride = p.BS * token_stride;
+  const int64_t elem = T == PoolType::kF32 ? 4 : 2;
+  const int64_t q_row = p.q_start[item.row];
+  const float* q_src = p.q + q_row * H * D;
+
+  // per query head: scaled query, running max / sum, unnormalised output
+  std::vector<VF> qv(H * C), acc(H * C, VF{});
+  std::vector<float> m(H, kNegInf), l(H, 0.0f);
+  for (int64_t i = 0; i < H * C; ++i) {
+    std::memcpy(&qv[i], q_src + 16 * i, sizeof(VF));
+    qv[i] *= p.scale;
+  }
+  int64_t offsets[kTile];  // of each key's token (head 0) in the pool
+  for (int64_t tile = 0; tile < context; tile += kTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile, context - tile));
+    for (int t = 0; t < n; ++t) {
+      const int64_t pos = tile + t;
+      const int64_t block = table[pos / p.BS];
+      if (block < 0 || block >= p.NB) return false;
+      offsets[t] = p.layer_offset + block * block_stride + (pos % p.BS) * token_stride;
+    }
+    // where the tile after next starts, for prefetching its tokens head by head, while this tile computes
+    int64_t ahead[kTile];
+    int ahead_n = 0;
+    for (int64_t pos = tile + kPrefetchTiles * kTile; pos < std::min<int64_t>(tile + (kPrefetchTiles + 1) * kTile, context); ++pos) {
+      const int64_t block = table[pos / p.BS];
+      if (block < 0 || block >= p.NB) break;
+      ahead[ahead_n++] = (p.layer_offset + block * block_stride + (pos % p.BS) * token_stride) * elem;
+    }
+    for (int64_t h = 0; h < KVH; ++h) {
+      for (int t = 0; t < ahead_n; ++t) {
+        for (int64_t byte = h * D * elem; byte < (h + 1) * D * elem; byte += 64) {
+          __builtin_prefetch(static_cast<const char*>(p.k) + ahead[t] + byte);
+          __builtin_prefetch(static_cast<const char*>(p.v) + ahead[t] + byte);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t head = h * G + g;
+        const VF* q = &qv[head * C];
+        VF partial[kTile];
+        for (int t = 0; t < kTile; ++t) {
+          if (t < n) {
+            const int64_t at = offsets[t] + h * D;
+            VF s = q[0] * Load16<T>(p.k, at);
+            for (int c = 1; c < C; ++c) s += q[c] * Load16<T>(p.k, at + 16 * c);
+            partial[t] = s;
+          } else {
+            partial[t] = VF{};
+          }
+        }
+        VF scores = SumLanes16(partial);
+        if (n < kTile) scores = kLanes < n ? scores : Splat(kNegInf);
+        const float m_new = std::max(m[head], MaxLanes(scores));
+        const float alpha = m[head] == kNegInf ? 0.0f : ExpNonPositive(m[head] - m_new);
+        VF probs = ExpNonPositive16(scores - m_new);
+        if (n < kTile) probs = kLanes < n ? probs : VF{};
+        float sum = 0.0f;
+        for (int t = 0; t < kTile; ++t) sum += probs[t];
+        l[head] = l[head] * alpha + sum;
+        m[head] = m_new;
+        VF a[C];
+        for (int c = 0; c < C; ++c) a[c] = acc[head * C + c] * alpha;
+        for (int t = 0; t < n; ++t) {
+          const float pt = probs[t];
+          const int64_t at = offsets[t] + h * D;
+          for (int c = 0; c < C; ++c) a[c] += pt * Load16<T>(p.v, at + 16 * c);
+        }
+        for (int c = 0; c < C; ++c) acc[head * C + c] = a[c];
+      }
+    }
+  }
+  float* dst = p.out + q_row * H * D;
+  for (int64_t head = 0; head < H; ++head) {
+    const float inv = l[head] > 0.0f ? 1.0f / l[head] : 0.0f;
+    for (int c = 0; c < C; ++c) {
+      VF x = acc[head * C + c] * inv;
+      std::memcpy(dst + head * D + 16 * c, &x, sizeof x);
+    }
+  }
+  return true;
+}
+
+template <PoolType T>
+bool RunDecodeItemTyped(const Problem& p, const WorkItem& item) {
+  return p.D == 64 ? RunDecodeItem<T, 4>(p, item) : RunDecodeItem<T, 8>(p, item);
+}
+
+// The decode path's kernel for this problem, or null where the generic path serves it.
+using DecodeFn = bool (*)(const Problem&, const WorkItem&);
+DecodeFn DecodeKernel(const Problem& p) {
+  if (p.D != 64 && p.D != 128) return nullptr;
+  switch (p.type) {
+    case PoolType::kF32: return RunDecodeItemTyped<PoolType::kF32>;
+    case PoolType::kBF16Bits: return RunDecodeItemTyped<PoolType::kBF16Bits>;
+    case PoolType::kF16: return RunDecodeItemTyped<PoolType::kF16>;
+  }
+  return nullptr;
+}
+
+// ---- the work list, shared by the calling thread and XLA's intra-op pool ----------------------
+
+struct Work {
+  Problem problem;
+  std::vector<WorkItem> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::atomic<bool> bad_block{false};
+  std::mutex mu;
+  std::condition_variable finished;
+
+  // Claims and runs items until none are left. Threads that start late find none and return:
+  // they never touch the buffers, which live only until the handler returns.
+  void Drain() {
+    std::vector<float> buffer;
+    const DecodeFn decode = DecodeKernel(problem);
+    const int64_t total = static_cast<int64_t>(items.size());
+    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+      const WorkItem& item = items[i];
+      const bool ok = item.whole_row ? decode(problem, item) : RunItem(problem, item, buffer);
+      if (!ok) bad_block = true;
+      if (done.fetch_add(1) + 1 == total) {
+        std::lock_guard<std::mutex> lock(mu);
+        finished.notify_all();
+      }
+    }
+  }
+};
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
+                          ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
+                          ffi::Buffer<ffi::S32> context, ffi::Buffer<ffi::S32> q_start,
+                          ffi::Buffer<ffi::S32> q_len, float scale, ffi::ResultBuffer<ffi::F32> out) {
+  auto q_dims = q.dimensions();
+  auto pool_dims = k_pool.dimensions();
+  auto table_dims = tables.dimensions();
+  if (q_dims.size() != 3 || pool_dims.size() != 5 || table_dims.size() != 2)
+    return ffi::Error::InvalidArgument("paged attention: q must be [N, H, D], the pools [L, NB, BS, KVH, D], "
+                                       "the block tables [B, M]");
+  if (v_pool.dimensions().size() != 5 || v_pool.element_type() != k_pool.element_type() ||
+      !std::equal(pool_dims.begin(), pool_dims.end(), v_pool.dimensions().begin()))
+    return ffi::Error::InvalidArgument("paged attention: the K and V pools differ in shape or dtype");
+  const int64_t N = q_dims[0], H = q_dims[1], D = q_dims[2];
+  const int64_t L = pool_dims[0], NB = pool_dims[1], BS = pool_dims[2], KVH = pool_dims[3];
+  const int64_t B = table_dims[0], M = table_dims[1];
+  if (pool_dims[4] != D || KVH <= 0 || H % KVH != 0)
+    return ffi::Error::InvalidArgument("paged attention: head_dim differs between q and the pools, or the "
+                                       "query heads are not a multiple of the KV heads");
+  if (context.element_count() != B || q_start.element_count() != B || q_len.element_count() != B)
+    return ffi::Error::InvalidArgument("paged attention: context, q_start and q_len need one entry per row");
+  PoolType type;
+  switch (k_pool.element_type()) {
+    case ffi::DataType::F32: type = PoolType::kF32; break;
+    case ffi::DataType::F16: type = PoolType::kF16; break;
+    case ffi::DataType::U16: type = PoolType::kBF16Bits; break;  // jpaged stores bfloat16 pools as bits
+    default:
+      return ffi::Error::InvalidArgument("paged attention: pools must be float32, float16 or uint16 "
+                                         "(bfloat16 bit patterns)");
+  }
+  const int32_t layer_id = *layer.typed_data();
+  if (layer_id < 0 || layer_id >= L) return ffi::Error::InvalidArgument("paged attention: layer out of range");
+
+  auto work = std::make_shared<Work>();
+  work->problem = Problem{q.typed_data(), k_pool.untyped_data(), v_pool.untyped_data(), type, H, D, NB, BS,
+                          KVH, H / KVH, M, layer_id * NB * BS * KVH * D, tables.typed_data(),
+                          context.typed_data(), q_start.typed_data(), q_len.typed_data(), scale,
+                          out->typed_data()};
+  const DecodeFn decode = DecodeKernel(work->problem);
+  float* result = out->typed_data();
+  std::fill(result, result + N * H * D, 0.0f);
+  const int32_t* ctx = context.typed_data();
+  const int32_t* qs = q_start.typed_data();
+  const int32_t* ql = q_len.typed_data();
+  for (int64_t b = 0; b < B; ++b) {
+    if (ql[b] <= 0 || ctx[b] <= 0) continue;  // a padding row
+    if (ql[b] > ctx[b] || ctx[b] > M * BS || qs[b] < 0 || qs[b] + ql[b] > N)
+      return ffi::Error::InvalidArgument("paged attention: row " + std::to_string(b) +
+                                         " has tokens outside q, or a context longer than its block table");
+    if (ql[b] == 1 && decode) {  // one item per row, every head
+      work->items.push_back({static_cast<int32_t>(b), 0, 0, 1, static_cast<int64_t>(ctx[b]) * KVH, true});
+      continue;
+    }
+    for (int32_t c = 0; c < ql[b]; c += kQueryChunk) {
+      const int32_t len = std::min(kQueryChunk, ql[b] - c);
+      const int64_t last = ctx[b] - ql[b] + c + len;  // keys the chunk reads
+      for (int32_t h = 0; h < KVH; ++h)
+        work->items.push_back({static_cast<int32_t>(b), h, c, len, last * len});
+    }
+  }
+  // longest first, so that the threads finish together
+  std::stable_sort(work->items.begin(), work->items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  const int64_t total = static_cast<int64_t>(work->items.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  {
+    std::unique_lock<std::mutex> lock(work->mu);
+    work->finished.wait(lock, [&] { return work->done.load() == total; });
+  }
+  if (work->bad_block)
+    return ffi::Error::InvalidArgument("paged attention: a block table names a block outside the pool");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::AnyBuffer>()          // k_pool
+                                  .Arg<ffi::AnyBuffer>()          // v_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // context
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_len
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// Which instructions this library was built for ("avx512", "avx2" or "portable").
+extern "C" const char* JpagedNativeVariant() { return JPAGED_VARIANT; }
+
+// Whether this CPU runs the instructions of `variant`: called in the portable library only, before
+// any other variant is loaded.
+extern "C" int JpagedCpuCanRun(const char* variant) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (std::strcmp(variant, "avx512") == 0)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
+  if (std::strcmp(variant, "avx2") == 0)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return std::strcmp(variant, "portable") == 0;
+}

@@ -1,0 +1,135 @@
+"""The native attention backend: paged attention as a C++ kernel called through XLA's FFI, the
+CPU fast path.
+
+On the CPU the XLA path (`xla.py`) gathers every key tile into a new buffer before its small
+matmuls; the native kernel (`csrc/paged_attention.cc`) reads K/V blocks in place through the block
+tables, one online softmax per (row, KV head, chunk of 16 query tokens), on XLA's own intra-op
+threads. It serves decode and prefill (several query tokens per row, causal within the row) with
+the same code. Pools of float32, float16 and bfloat16 (stored as uint16 bit patterns, as the XLA
+backend stores them) are read natively and widened to float32; compute is float32.
+
+Builds. `pip install` compiles the kernel three times (setup.py): `avx512`, `avx2` (with FMA and
+F16C) and `portable` (the compiler's baseline), each a shared library beside this module. At run
+time the portable library says which of the others this CPU can run (`available_variants`), and
+the best is registered with `jax.ffi.register_ffi_target`. A machine without a compiler installs
+without them; `get_backend('auto')` then falls back to the XLA path and logs one line saying so.
+
+The cache write and the copy-on-write copies stay XLA's (`xla_write_kv`, `xla_copy_blocks`):
+they are scatters XLA does in place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import importlib.machinery
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged.device.attention.xla import storage_dtype, xla_copy_blocks, xla_write_kv
+
+VARIANTS = ("avx512", "avx2", "portable")  # best first
+_HANDLER = "JpagedPagedAttention"
+
+
+def library_path(variant: str) -> str | None:
+    """Where the built library of `variant` is, or None when it was not built."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(here, f"_native_{variant}{suffix}")
+        if os.path.exists(path):
+            return path
+    return None
+
+
+@functools.cache
+def _library(variant: str) -> ctypes.CDLL:
+    path = library_path(variant)
+    if path is None:
+        raise NativeUnavailable(f"the native CPU kernels' {variant} library was not built")
+    return ctypes.CDLL(path)
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernels cannot run here: not built (no C++ compiler at install), or not this CPU's."""
+
+
+@functools.cache
+def available_variants() -> tuple[str, ...]:
+    """The variants built and runnable on this CPU, best first (empty when none was built)."""
+    try:
+        portable = _library("portable")
+    except (NativeUnavailable, OSError):
+        return ()
+    can_run = portable.JpagedCpuCanRun
+    can_run.argtypes, can_run.restype = [ctypes.c_char_p], ctypes.c_int
+    return tuple(v for v in VARIANTS if library_path(v) is not None and can_run(v.encode()))
+
+
+@functools.cache
+def target_name(variant: str = "auto") -> str:
+    """Registers `variant`'s handler with XLA (once) and returns its FFI target name.
+    'auto': the best of `available_variants()`."""
+    variants = available_variants()
+    if not variants:
+        raise NativeUnavailable(
+            "the native CPU attention kernels were not built (no C++ compiler when jpaged was installed?): "
+            "install g++ and reinstall jpaged, or use attention_backend='xla'")
+    if variant == "auto":
+        variant = variants[0]
+    if variant not in variants:
+        raise NativeUnavailable(f"native variant {variant!r} is not available on this machine (built and "
+                                f"runnable here: {', '.join(variants)})")
+    name = f"jpaged_paged_attention_{variant}"
+    handler = getattr(_library(variant), _HANDLER)
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
+    return name
+
+
+def row_queries(inputs):
+    """(q_start, q_len) i32[B] of a step's rows: row b's new tokens are the packed tokens
+    q_start[b] .. q_start[b] + q_len[b] - 1 (padding rows: q_len 0). Rows are packed end to end,
+    real rows first, and each ends at its `logits_index`."""
+    real = inputs.context_lens > 0
+    q_end = jnp.where(real, inputs.logits_index + 1, 0)
+    q_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jax.lax.cummax(q_end)[:-1]])
+    return q_start, jnp.where(real, q_end - q_start, 0)
+
+
+def native_attend(q, k_pool, v_pool, layer, block_tables, context_lens, q_start, q_len, scale, *,
+                  variant: str = "auto"):
+    """Paged attention by the native kernel (see `csrc/paged_attention.cc` for the operands):
+    q f[N, H, D] -> f[N, H, D], computed in float32."""
+    call = jax.ffi.ffi_call(target_name(variant), jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    out = call(q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32), block_tables,
+               context_lens, q_start, q_len, scale=np.float32(scale))
+    return out.astype(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeBackend:
+    """`variant`: 'auto' (the best this CPU runs) or one of `VARIANTS`."""
+
+    variant: str = "auto"
+    name: str = "native"
+
+    def __post_init__(self):
+        target_name(self.variant)  # fails here, before any tracing, when the kernels cannot run
+
+    def storage_dtype(self, dtype):
+        return storage_dtype(dtype)
+
+    def write_kv(self, k_pool, v_pool, layer, k, v, slot_mapping):
+        return xla_write_kv(k_pool, v_pool, layer, k, v, slot_mapping)
+
+    def attend(self, q, k_pool, v_pool, layer, inputs, scale):
+        q_start, q_len = row_queries(inputs)
+        return native_attend(q, k_pool, v_pool, layer, inputs.block_tables, inputs.context_lens, q_start, q_len,
+                             scale, variant=self.variant)
+
+    def copy_blocks(self, k_pool, v_pool, pairs):
+        return xla_copy_blocks(k_pool, v_pool, pairs)

@@ -1,0 +1,200 @@
+"""The native CPU attention kernel (`jpaged.device.attention.native`, C++ through XLA's FFI) against a
+float64 numpy reference, in every variant this machine built and runs (AVX-512, AVX2, portable):
+contexts 0, 1, 15, 16, 17 and 1003 tokens, one and several query tokens per row (causal within the
+row), permuted block tables, NaN and 1e30 poison in every slot no row may read, float32, float16
+and bfloat16 pools. Then the engine: greedy tokens equal the XLA path's; 'auto' picks the kernel;
+and without a built kernel (as on a machine with no compiler) 'auto' falls back to XLA, saying so.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jpaged import LLM, SamplingParams
+from jpaged.device import attention
+from jpaged.device.attention import native
+from jpaged.device.attention.xla import XLABackend, storage_dtype
+from jpaged.device.batch import pack_rows
+from jpaged.core.kv_cache_manager import slot_ids
+from jpaged.core.scheduler import Row
+
+VARIANTS = native.available_variants()
+needs_native = pytest.mark.skipif(not VARIANTS, reason="the native kernels were not built on this machine")
+
+LAYERS, BLOCK, KV_HEADS, GROUP = 2, 16, 3, 3
+# (cached tokens, new tokens) per row: decode rows, prompts, prompts over cached context, an empty row
+ROWS = [(0, 1), (14, 1), (15, 1), (16, 1), (1002, 1), (0, 15), (0, 17), (16, 1), (980, 23), (0, 0)]
+
+
+def make_problem(head_dim, dtype, rng):
+    """Pools poisoned outside the rows' slots, rows over permuted blocks, queries, and the operands."""
+    num_blocks = 1 + sum(-(-(c + n) // BLOCK) for c, n in ROWS) + 5  # + unused blocks
+    shape = (LAYERS, num_blocks, BLOCK, KV_HEADS, head_dim)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    readable = np.zeros((num_blocks, BLOCK), bool)
+    free = list(rng.permutation(np.arange(1, num_blocks)))
+    tables, contexts = [], []
+    for cached, new in ROWS:
+        context = cached + new
+        table = [int(free.pop()) for _ in range(-(-context // BLOCK))]
+        for p in range(context):
+            readable[table[p // BLOCK], p % BLOCK] = True
+        tables.append(table)
+        contexts.append(context)
+    poison = np.where(rng.random(shape) < 0.5, np.nan, 1e30).astype(np.float32)
+    k = np.where(readable[None, :, :, None, None], k, poison)
+    v = np.where(readable[None, :, :, None, None], v, poison)
+    k, v = (jnp.asarray(x).astype(dtype) for x in (k, v))
+    if storage_dtype(dtype) != k.dtype:  # bfloat16 pools are stored as their bits
+        k, v = (jax.lax.bitcast_convert_type(x, storage_dtype(dtype)) for x in (k, v))
+    width = max(len(t) for t in tables)
+    table_arr = np.zeros((len(ROWS), width), np.int32)
+    for b, t in enumerate(tables):
+        table_arr[b, :len(t)] = t
+    q_len = np.array([n for _, n in ROWS], np.int32)
+    q_start = np.concatenate([[0], np.cumsum(q_len)[:-1]]).astype(np.int32)
+    num_tokens = int(q_len.sum()) + 3  # + padding tokens no row claims
+    q = rng.standard_normal((num_tokens, KV_HEADS * GROUP, head_dim)).astype(np.float32)
+    return q, k, v, table_arr, np.array(contexts, np.int32), q_start, q_len
+
+
+def reference(q, k, v, layer, tables, contexts, q_start, q_len, scale):
+    """float64 softmax attention over each row's readable keys, causal within the row; unclaimed tokens 0."""
+    k64, v64 = (np.asarray(pool_as_float(x), np.float64)[layer] for x in (k, v))
+    out = np.zeros(q.shape)
+    for b in range(len(contexts)):
+        context = contexts[b]
+        if context == 0:  # a padding row: nothing to attend to
+            continue
+        slots = [(tables[b, p // BLOCK], p % BLOCK) for p in range(context)]
+        keys = np.array([k64[blk, off] for blk, off in slots]).reshape(context, KV_HEADS, -1)
+        values = np.array([v64[blk, off] for blk, off in slots]).reshape(context, KV_HEADS, -1)
+        for i in range(q_len[b]):
+            pos = context - q_len[b] + i
+            for head in range(q.shape[1]):
+                s = keys[:pos + 1, head // GROUP] @ q[q_start[b] + i, head].astype(np.float64) * scale
+                p = np.exp(s - s.max())
+                out[q_start[b] + i, head] = (p / p.sum()) @ values[:pos + 1, head // GROUP]
+    return out
+
+
+def pool_as_float(x):
+    if x.dtype == jnp.uint16:
+        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+    return x.astype(jnp.float32)
+
+
+@needs_native
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype,head_dim", [(jnp.float32, 64), (jnp.bfloat16, 64), (jnp.float16, 64),
+                                            (jnp.float32, 128), (jnp.float32, 24)])
+def test_kernel_matches_float64_reference(variant, dtype, head_dim):
+    rng = np.random.default_rng(head_dim)
+    q, k, v, tables, contexts, q_start, q_len = make_problem(head_dim, dtype, rng)
+    scale = head_dim ** -0.5
+    for layer in range(LAYERS):
+        got = np.asarray(native.native_attend(q, k, v, layer, tables, contexts, q_start, q_len, scale,
+                                              variant=variant))
+        want = reference(q, k, v, layer, tables, contexts, q_start, q_len, scale)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@needs_native
+def test_kernel_under_jit_and_scan_reads_the_traced_layer():
+    """The kernel inside a jitted `lax.scan` over layers, as in the model, at the traced layer index."""
+    rng = np.random.default_rng(1)
+    q, k, v, tables, contexts, q_start, q_len = make_problem(64, jnp.float32, rng)
+
+    @jax.jit
+    def every_layer(q, k, v):
+        def body(_, layer):
+            return None, native.native_attend(q, k, v, layer, tables, contexts, q_start, q_len, 0.125)
+        return jax.lax.scan(body, None, jnp.arange(LAYERS, dtype=jnp.int32))[1]
+
+    got = np.asarray(every_layer(q, k, v))
+    for layer in range(LAYERS):
+        np.testing.assert_allclose(got[layer], reference(q, k, v, layer, tables, contexts, q_start, q_len, 0.125),
+                                   rtol=2e-5, atol=2e-5)
+
+
+@needs_native
+def test_bad_operands_fail_the_call_instead_of_reading_out_of_bounds():
+    rng = np.random.default_rng(2)
+    q, k, v, tables, contexts, q_start, q_len = make_problem(64, jnp.float32, rng)
+    bad_tables = tables.copy()
+    bad_tables[4, 3] = k.shape[1] + 7
+    with pytest.raises(Exception, match="block outside the pool"):
+        jax.block_until_ready(native.native_attend(q, k, v, 0, bad_tables, contexts, q_start, q_len, 0.125))
+    with pytest.raises(Exception, match="layer out of range"):
+        jax.block_until_ready(native.native_attend(q, k, v, LAYERS, tables, contexts, q_start, q_len, 0.125))
+    too_long = contexts.copy()
+    too_long[0] = tables.shape[1] * BLOCK + 1
+    with pytest.raises(Exception, match="longer than its block table"):
+        jax.block_until_ready(native.native_attend(q, k, v, 0, tables, too_long, q_start, q_len, 0.125))
+
+
+def test_row_queries_recovers_each_rows_tokens_from_the_packed_batch():
+    rng = np.random.default_rng(3)
+    specs = [(0, 5), (16, 1), (40, 9), (3, 1)]
+    free = list(rng.permutation(np.arange(1, 64)))
+    rows = []
+    for start, n in specs:
+        table = [int(free.pop()) for _ in range(-(-(start + n) // BLOCK))]
+        rows.append(Row([1] * n, start, slot_ids(table, start, start + n, BLOCK), table))
+    for q_tile in (64, 1):
+        batch = rows if q_tile == 64 else [r for r in rows if len(r.token_ids) == 1]
+        inputs = pack_rows(batch, block_size=BLOCK, q_tile=q_tile, k_tile=64)
+        q_start, q_len = (np.asarray(x) for x in native.row_queries(inputs))
+        lens = [len(r.token_ids) for r in batch]
+        assert q_len.tolist() == lens + [0] * (len(q_len) - len(batch))
+        assert q_start[:len(batch)].tolist() == np.concatenate([[0], np.cumsum(lens)[:-1]]).tolist()
+
+
+@needs_native
+def test_engine_greedy_tokens_equal_the_xla_path(default_model, alpaca_prompts):
+    """Eight chats sharing a system prompt (prefix caching: prefill over cached blocks), 24 greedy tokens."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    system = {"role": "system", "content": "You are a careful assistant. Answer in one short paragraph."}
+    tokens = {}
+    for backend in ("xla", "native"):
+        llm = LLM(loaded=default_model, num_blocks=160, attention_backend=backend, enable_prefix_caching=True)
+        assert llm.engine.runner.backend.name == backend
+        prompts = [llm.chat_prompt([system, {"role": "user", "content": p}]) for p in alpaca_prompts[40:48]]
+        llm.generate(prompts[:1], params, use_tqdm=False)  # caches the shared prefix's blocks
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens["native"] == tokens["xla"]
+
+
+@needs_native
+def test_auto_picks_the_native_kernel_on_a_cpu():
+    backend = attention.get_backend("auto")
+    assert backend.name == "native" and backend.variant == "auto"
+
+
+@pytest.fixture
+def kernels_not_built(monkeypatch):
+    """As on a machine where pip had no C++ compiler: no variant's library exists."""
+    monkeypatch.setattr(native, "library_path", lambda variant: None)
+    for cached in (native.available_variants, native.target_name, native._library):
+        cached.cache_clear()
+    yield
+    monkeypatch.undo()
+    for cached in (native.available_variants, native.target_name, native._library):
+        cached.cache_clear()
+
+
+def test_without_the_kernels_auto_falls_back_to_xla_in_one_line(kernels_not_built, caplog):
+    with caplog.at_level(logging.WARNING, logger="jpaged"):
+        backend = attention.get_backend("auto")
+    assert isinstance(backend, XLABackend)
+    [record] = [r for r in caplog.records if "native" in r.getMessage()]
+    assert "XLA path" in record.getMessage() and "\n" not in record.getMessage()
+    with pytest.raises(ValueError, match="were not built .*attention_backend='xla'"):
+        attention.get_backend("native")
