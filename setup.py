@@ -14,7 +14,7 @@ from setuptools.command.build_ext import build_ext
 
 SOURCE = "jpaged/device/attention/csrc/paged_attention.cc"
 HEADERS = "jpaged/device/attention/csrc/third_party"
-COMMON = ["-O3", "-std=c++17", "-fPIC", "-fopenmp-simd", "-fno-math-errno"]
+COMMON = ["-O3", "-std=c++17", "-fPIC", "-fopenmp-simd", "-fno-math-errno", "-Wno-psabi"]
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 VARIANTS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
@@ -26,6 +26,11 @@ VARIANTS = {
 
 class OptionalBuildExt(build_ext):
     """Builds each variant it can; a failed or impossible build is one line, not a failed install."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if self.parallel is None:
+            self.parallel = True  # the variants compile side by side, one per core
 
     def build_extensions(self):
         if self.compiler.compiler_type == "msvc":

@@ -48,9 +48,9 @@ from bench.traces import ALPACA_SEED_PROMPTS, load_alpaca_prompts  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_DIR = ROOT / "bench" / "peers"
 
-ALL_PEERS = ("jpaged", "hf", "vllm")
+ALL_PEERS = ("jpaged", "jpaged-xla", "hf", "vllm")
 GOALS = {"hf_best_static": 4.0, "vllm_float32": 2.0, "vllm_bfloat16": 1.0}
-LABELS = {"jpaged": "jpaged f32 (continuous batching)", "hf-b1": "HF generate b1", "hf-b16": "HF generate b16",
+LABELS = {"jpaged": "jpaged f32 (continuous batching)", "jpaged-xla": "jpaged f32, XLA attention", "hf-b1": "HF generate b1", "hf-b16": "HF generate b16",
           "vllm-float32": "vLLM CPU f32", "vllm-bfloat16": "vLLM CPU bf16"}
 
 
@@ -167,6 +167,9 @@ def ratios(table: dict, num_requests: list[int]) -> dict:
         if hf:
             best = max(hf, key=lambda r: r["tokens_per_s"])
             entry["hf_best_static"] = {"vs": f"hf-b{best['batch_size']}", "ratio": jp["tokens_per_s"] / best["tokens_per_s"]}
+        xla = table.get("jpaged-xla", {}).get(n)
+        if xla is not None:
+            entry["jpaged_xla"] = {"vs": "jpaged-xla", "ratio": jp["tokens_per_s"] / xla["tokens_per_s"]}
         for dtype in ("float32", "bfloat16"):
             v = table.get(f"vllm-{dtype}", {}).get(n)
             if v is not None:
@@ -384,6 +387,11 @@ def main(argv=None) -> dict:
         results["jpaged"] = run("jpaged", sys.executable, "jpaged_peer.py",
                                 {**base, "dtype": "float32", "kv_cache_memory": "1GiB", **jpaged_args})
         write_report()
+        if "jpaged-xla" in peers:  # the same engine with attention on the XLA path: what the native kernel moved
+            xla_args = {**jpaged_args.get("engine_args", {}), "attention_backend": "xla"}
+            results["jpaged-xla"] = run("jpaged-xla", sys.executable, "jpaged_peer.py",
+                                        {**base, "dtype": "float32", "kv_cache_memory": "1GiB", "engine_args": xla_args})
+            write_report()
         if "vllm" in peers:
             python = Path(args.vllm_venv) / "bin" / "python"
             if not python.exists() or not (Path(args.hf_dir) / "config.json").is_file():

@@ -57,7 +57,7 @@ def main(argv=None) -> None:
                      if hasattr(llm.engine.scheduler, "config") else None,
                      "engine_args": spec.get("engine_args", {}),
                      "enable_prefix_caching": llm.engine.config.enable_prefix_caching,
-                     "attention_backend": llm.engine.config.attention_backend,
+                     "attention_backend": llm.engine.runner.backend.name,  # what 'auto' chose
                      "sampling": "SamplingParams(temperature=0, max_tokens=%d, ignore_eos=True)" % spec["max_tokens"],
                      "XLA_FLAGS": os.environ.get("XLA_FLAGS")},
         "excluded": "model load (GGUF dequantization) and KV cache allocation; one warm-up generate() on the "

@@ -298,18 +298,33 @@ inline VF SumLanes16(const VF* a) {
 }
 
 inline float MaxLanes(VF x) {
-  float m = x[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
-  return m;
+  VF y = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x = x > y ? x : y;
+  y = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x = x > y ? x : y;
+  y = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x = x > y ? x : y;
+  y = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  x = x > y ? x : y;
+  return x[0];
 }
 
-// One decode work item: a row's one query token, every KV head (the row's blocks are read whole,
-// K and V of all heads of 16 tokens contiguous in the pool), head_dim C * 16. Returns false on a
-// block outside the pool.
-template <PoolType T, int C>
-bool RunDecodeItem(const Problem& p, const WorkItem& item) {
+inline float AddLanes(VF x) {
+  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return x[0];
+}
+
+// One decode work item: a row's one query token, every KV head (the row's blocks are read whole:
+// K and V of all heads of a block's tokens lie together in the pool), head_dim C * 16, G query
+// heads per KV head: each K or V row is loaded once for the G heads that read it. Returns false
+// on a block outside the pool.
+template <PoolType T, int C, int G>
+bool RunDecodeRow(const Problem& p, const WorkItem& item) {
   constexpr int D = C * 16;
-  const int64_t G = p.G, H = p.H, KVH = p.KVH;
+  const int64_t H = p.H, KVH = p.KVH;
   const int64_t context = p.context[item.row];
   const int32_t* table = p.tables + static_cast<int64_t>(item.row) * p.M;
   const int64_t token_stride = KVH * D;
@@ -326,6 +341,7 @@ bool RunDecodeItem(const Problem& p, const WorkItem& item) {
     qv[i] *= p.scale;
   }
   int64_t offsets[kTile];  // of each key's token (head 0) in the pool
+  alignas(64) float probs[G][kTile];
   for (int64_t tile = 0; tile < context; tile += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, context - tile));
     for (int t = 0; t < n; ++t) {
@@ -334,10 +350,11 @@ bool RunDecodeItem(const Problem& p, const WorkItem& item) {
       if (block < 0 || block >= p.NB) return false;
       offsets[t] = p.layer_offset + block * block_stride + (pos % p.BS) * token_stride;
     }
-    // where the tile after next starts, for prefetching its tokens head by head, while this tile computes
+    // the tokens kPrefetchTiles ahead, prefetched head by head while this tile computes
     int64_t ahead[kTile];
     int ahead_n = 0;
-    for (int64_t pos = tile + kPrefetchTiles * kTile; pos < std::min<int64_t>(tile + (kPrefetchTiles + 1) * kTile, context); ++pos) {
+    for (int64_t pos = tile + kPrefetchTiles * kTile;
+         pos < std::min<int64_t>(tile + (kPrefetchTiles + 1) * kTile, context); ++pos) {
       const int64_t block = table[pos / p.BS];
       if (block < 0 || block >= p.NB) break;
       ahead[ahead_n++] = (p.layer_offset + block * block_stride + (pos % p.BS) * token_stride) * elem;
@@ -349,39 +366,47 @@ bool RunDecodeItem(const Problem& p, const WorkItem& item) {
           __builtin_prefetch(static_cast<const char*>(p.v) + ahead[t] + byte);
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t head = h * G + g;
-        const VF* q = &qv[head * C];
-        VF partial[kTile];
-        for (int t = 0; t < kTile; ++t) {
-          if (t < n) {
-            const int64_t at = offsets[t] + h * D;
-            VF s = q[0] * Load16<T>(p.k, at);
-            for (int c = 1; c < C; ++c) s += q[c] * Load16<T>(p.k, at + 16 * c);
-            partial[t] = s;
-          } else {
-            partial[t] = VF{};
+      const VF* q = &qv[h * G * C];  // [G][C]
+      VF partial[G][kTile];
+      for (int t = 0; t < kTile; ++t) {
+        if (t < n) {
+          VF k[C];
+          for (int c = 0; c < C; ++c) k[c] = Load16<T>(p.k, offsets[t] + h * D + 16 * c);
+          for (int g = 0; g < G; ++g) {
+            VF s = q[g * C] * k[0];
+            for (int c = 1; c < C; ++c) s += q[g * C + c] * k[c];
+            partial[g][t] = s;
           }
+        } else {
+          for (int g = 0; g < G; ++g) partial[g][t] = VF{};
         }
-        VF scores = SumLanes16(partial);
+      }
+      float alpha[G];
+      for (int g = 0; g < G; ++g) {
+        const int64_t head = h * G + g;
+        VF scores = SumLanes16(partial[g]);
         if (n < kTile) scores = kLanes < n ? scores : Splat(kNegInf);
         const float m_new = std::max(m[head], MaxLanes(scores));
-        const float alpha = m[head] == kNegInf ? 0.0f : ExpNonPositive(m[head] - m_new);
-        VF probs = ExpNonPositive16(scores - m_new);
-        if (n < kTile) probs = kLanes < n ? probs : VF{};
-        float sum = 0.0f;
-        for (int t = 0; t < kTile; ++t) sum += probs[t];
-        l[head] = l[head] * alpha + sum;
+        alpha[g] = m[head] == kNegInf ? 0.0f : ExpNonPositive(m[head] - m_new);
+        VF pr = ExpNonPositive16(scores - m_new);
+        if (n < kTile) pr = kLanes < n ? pr : VF{};
+        l[head] = l[head] * alpha[g] + AddLanes(pr);
         m[head] = m_new;
-        VF a[C];
-        for (int c = 0; c < C; ++c) a[c] = acc[head * C + c] * alpha;
-        for (int t = 0; t < n; ++t) {
-          const float pt = probs[t];
-          const int64_t at = offsets[t] + h * D;
-          for (int c = 0; c < C; ++c) a[c] += pt * Load16<T>(p.v, at + 16 * c);
-        }
-        for (int c = 0; c < C; ++c) acc[head * C + c] = a[c];
+        std::memcpy(probs[g], &pr, sizeof pr);
       }
+      VF a[G][C];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) a[g][c] = acc[(h * G + g) * C + c] * alpha[g];
+      for (int t = 0; t < n; ++t) {
+        VF v[C];
+        for (int c = 0; c < C; ++c) v[c] = Load16<T>(p.v, offsets[t] + h * D + 16 * c);
+        for (int g = 0; g < G; ++g) {
+          const VF pt = Splat(probs[g][t]);
+          for (int c = 0; c < C; ++c) a[g][c] += pt * v[c];
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) acc[(h * G + g) * C + c] = a[g][c];
     }
   }
   float* dst = p.out + q_row * H * D;
@@ -395,19 +420,37 @@ bool RunDecodeItem(const Problem& p, const WorkItem& item) {
   return true;
 }
 
-template <PoolType T>
-bool RunDecodeItemTyped(const Problem& p, const WorkItem& item) {
-  return p.D == 64 ? RunDecodeItem<T, 4>(p, item) : RunDecodeItem<T, 8>(p, item);
+// The decode path's kernel for this problem (head_dim 64 or 128, 1-8 query heads per KV head),
+// or null where the generic path serves it.
+using DecodeFn = bool (*)(const Problem&, const WorkItem&);
+
+template <PoolType T, int C>
+DecodeFn DecodeKernelFor(int64_t G) {
+  switch (G) {
+    case 1: return RunDecodeRow<T, C, 1>;
+    case 2: return RunDecodeRow<T, C, 2>;
+    case 3: return RunDecodeRow<T, C, 3>;
+    case 4: return RunDecodeRow<T, C, 4>;
+    case 5: return RunDecodeRow<T, C, 5>;
+    case 6: return RunDecodeRow<T, C, 6>;
+    case 7: return RunDecodeRow<T, C, 7>;
+    case 8: return RunDecodeRow<T, C, 8>;
+  }
+  return nullptr;
 }
 
-// The decode path's kernel for this problem, or null where the generic path serves it.
-using DecodeFn = bool (*)(const Problem&, const WorkItem&);
+template <PoolType T>
+DecodeFn DecodeKernelTyped(const Problem& p) {
+  if (p.D == 64) return DecodeKernelFor<T, 4>(p.G);
+  if (p.D == 128) return DecodeKernelFor<T, 8>(p.G);
+  return nullptr;
+}
+
 DecodeFn DecodeKernel(const Problem& p) {
-  if (p.D != 64 && p.D != 128) return nullptr;
   switch (p.type) {
-    case PoolType::kF32: return RunDecodeItemTyped<PoolType::kF32>;
-    case PoolType::kBF16Bits: return RunDecodeItemTyped<PoolType::kBF16Bits>;
-    case PoolType::kF16: return RunDecodeItemTyped<PoolType::kF16>;
+    case PoolType::kF32: return DecodeKernelTyped<PoolType::kF32>(p);
+    case PoolType::kBF16Bits: return DecodeKernelTyped<PoolType::kBF16Bits>(p);
+    case PoolType::kF16: return DecodeKernelTyped<PoolType::kF16>(p);
   }
   return nullptr;
 }
