@@ -223,6 +223,8 @@ def test_bad_requests_get_400s_while_others_stream(server, reference):
         "unknown field": (json.dumps({"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}).encode(),
                           "unsupported field(s) 'frequency_penalty'"),
         "prompt too long": (json.dumps({"model": MODEL, "prompt": "word " * 9000}).encode(), "the model's context"),
+        "prompt too long with max_tokens": (json.dumps({"model": MODEL, "prompt": "word " * 9000, "max_tokens": 4}
+                                                       ).encode(), "shorten the prompt to at most 8191 tokens"),
         "no prompt": (json.dumps({"model": MODEL}).encode(), "'prompt' must be"),
         "bad n with greedy": (json.dumps({"model": MODEL, "prompt": "x", "n": 2, "temperature": 0}).encode(),
                               "2 identical samples"),

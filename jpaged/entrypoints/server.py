@@ -239,12 +239,16 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
                 text, ids = engine.tokenize(prompt)
                 prompt, params = {"prompt": text, "prompt_token_ids": ids}, parsed.params  # tokenized once
                 room = engine.max_model_len - len(ids)
+                if room < 1:  # no max_tokens could help: the prompt itself must shrink
+                    raise ValueError(f"the prompt has {len(ids)} tokens, and the model's context of "
+                                     f"{engine.max_model_len} tokens leaves none to generate: shorten the prompt "
+                                     f"to at most {engine.max_model_len - 1} tokens")
                 if not parsed.max_tokens_given:  # to the end of the context, as the chat API does
-                    params = dataclasses.replace(params, max_tokens=max(1, room))
+                    params = dataclasses.replace(params, max_tokens=room)
                 elif params.max_tokens > room:
                     raise ValueError(f"the prompt's {len(ids)} tokens and max_tokens={params.max_tokens} exceed the "
                                      f"model's context of {engine.max_model_len} tokens: ask for at most "
-                                     f"{max(room, 0)} tokens")
+                                     f"{room} tokens")
                 rid = f"{request_id}-{i}"
                 queues.append((rid, loop.add(rid, prompt, params)))
         except ValueError as e:

@@ -329,7 +329,7 @@ bool RunDecodeRow(const Problem& p, const WorkItem& item) {
   const int32_t* table = p.tables + static_cast<int64_t>(item.row) * p.M;
   const int64_t token_stride = KVH * D;
   const int64_t block_stride = p.BS * token_stride;
-  const int64_t elem = T == PoolType::kF32 ? 4 : 2;
+  constexpr int64_t elem = T == PoolType::kF32 ? 4 : 2;
   const int64_t q_row = p.q_start[item.row];
   const float* q_src = p.q + q_row * H * D;
 
@@ -361,9 +361,11 @@ bool RunDecodeRow(const Problem& p, const WorkItem& item) {
     }
     for (int64_t h = 0; h < KVH; ++h) {
       for (int t = 0; t < ahead_n; ++t) {
-        for (int64_t byte = h * D * elem; byte < (h + 1) * D * elem; byte += 64) {
-          __builtin_prefetch(static_cast<const char*>(p.k) + ahead[t] + byte);
-          __builtin_prefetch(static_cast<const char*>(p.v) + ahead[t] + byte);
+        const char* k_row = static_cast<const char*>(p.k) + ahead[t] + h * D * elem;
+        const char* v_row = static_cast<const char*>(p.v) + ahead[t] + h * D * elem;
+        for (int line = 0; line < D * elem / 64; ++line) {  // a constant count: unrolled
+          __builtin_prefetch(k_row + 64 * line);
+          __builtin_prefetch(v_row + 64 * line);
         }
       }
       const VF* q = &qv[h * G * C];  // [G][C]
