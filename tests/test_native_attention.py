@@ -93,7 +93,7 @@ def pool_as_float(x):
 @needs_native
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype,head_dim", [(jnp.float32, 64), (jnp.bfloat16, 64), (jnp.float16, 64),
-                                            (jnp.float32, 128), (jnp.float32, 24)])
+                                            (jnp.float32, 128), (jnp.float32, 24), (jnp.bfloat16, 24)])
 def test_kernel_matches_float64_reference(variant, dtype, head_dim):
     rng = np.random.default_rng(head_dim)
     q, k, v, tables, contexts, q_start, q_len = make_problem(head_dim, dtype, rng)

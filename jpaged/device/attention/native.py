@@ -3,7 +3,7 @@ CPU fast path.
 
 On the CPU the XLA path (`xla.py`) gathers every key tile into a new buffer before its small
 matmuls; the native kernel (`csrc/paged_attention.cc`) reads K/V blocks in place through the block
-tables, one online softmax per (row, KV head, chunk of 16 query tokens), on XLA's own intra-op
+tables, with an online softmax per chunk of up to 16 query tokens of a row, on XLA's own intra-op
 threads. It serves decode and prefill (several query tokens per row, causal within the row) with
 the same code. Pools of float32, float16 and bfloat16 (stored as uint16 bit patterns, as the XLA
 backend stores them) are read natively and widened to float32; compute is float32.

@@ -1,11 +1,16 @@
 // Paged attention on the CPU, as an XLA FFI handler: reads K/V blocks in place through the block
-// tables (no gather into new buffers), one online softmax per (row, KV head, query chunk).
+// tables (no gather into new buffers), with an online softmax over tiles of 16 keys.
+//
+// Work items: a chunk of up to 16 query tokens of one row (a decode row is one chunk of one
+// token), with all its KV heads (the vector path: head_dim 64 or 128, up to 8 query heads per KV
+// head) or with one KV head (the generic path, any shape). The calling thread and XLA's intra-op
+// threads take items from a shared list, longest first.
 //
 // Built three times by setup.py (AVX-512, AVX2 + FMA + F16C, portable), each a shared library that
 // exports the handler `JpagedPagedAttention`; jpaged/device/attention/native.py picks the variant
-// the CPU runs and registers it with jax.ffi. The code is plain C++ written for the vectoriser
-// (`#pragma omp simd` loops over the head dimension and over a tile of keys); the variants differ
-// only in the instructions the compiler may use.
+// the CPU runs and registers it with jax.ffi. The code is plain C++ with GCC's vector extensions
+// (and `#pragma omp simd` loops in the generic path); the variants differ only in the instructions
+// the compiler may use.
 //
 // Operands (see native.py, which derives them from a step's ModelInputs):
 //   q        f32[N, H, D]            the packed new tokens' queries (H = KVH * G query heads)
@@ -43,11 +48,11 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kTile = 16;         // keys per softmax update
-constexpr int kQueryChunk = 16;   // query tokens per work item (prefill); decode has one
+constexpr int kQueryChunk = 16;   // query tokens per work item (a prefill row has several)
 #ifndef JPAGED_PREFETCH_TILES
 #define JPAGED_PREFETCH_TILES 2
 #endif
-constexpr int kPrefetchTiles = JPAGED_PREFETCH_TILES;  // how far ahead the decode kernel prefetches
+constexpr int kPrefetchTiles = JPAGED_PREFETCH_TILES;  // how far ahead the vector path prefetches
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // ---- 16-lane vectors (GCC's vector extensions) ------------------------------------------------
@@ -146,9 +151,12 @@ struct Problem {
 struct WorkItem {
   int32_t row, kv_head, chunk_start, chunk_len;
   int64_t cost;
-  bool whole_row = false;  // a decode row, every head at once (the decode kernel)
+  bool all_heads = false;  // every KV head at once (the vector path; kv_head unused)
 };
 
+// ---- the generic path: any head_dim and group size ---------------------------------------------
+//
+// One work item is a chunk of query tokens of one row against one KV head; scores one by one.
 // Returns false when the row names a block outside the pool.
 bool RunItem(const Problem& p, const WorkItem& item, std::vector<float>& buffer) {
   const int64_t D = p.D, G = p.G, H = p.H;
@@ -253,11 +261,11 @@ bool RunItem(const Problem& p, const WorkItem& item, std::vector<float>& buffer)
 }
 
 
-// ---- decode: one query token per row, 16 keys per lane-parallel step ---------------------------
+// ---- the vector path: head_dim 64 or 128, 1-8 query heads per KV head ---------------------------
 //
-// The decode path keeps a tile's 16 scores in one 16-lane vector: each key's partial products
-// (D / 16 vectors, multiplied into one) are summed across lanes for 16 keys at once by a
-// transposing reduction tree, so the softmax (max, exp, sum) runs on whole vectors.
+// A tile's 16 scores sit in one 16-lane vector: each key's partial products (D / 16 vectors,
+// multiplied into one) are summed across lanes for 16 keys at once by a transposing reduction
+// tree, so the softmax (max, exp, sum) runs on whole vectors.
 
 template <PoolType T>
 inline VF Load16(const void* base, int64_t offset) {
@@ -317,33 +325,35 @@ inline float AddLanes(VF x) {
   return x[0];
 }
 
-// One decode work item: a row's one query token, every KV head (the row's blocks are read whole:
-// K and V of all heads of a block's tokens lie together in the pool), head_dim C * 16, G query
-// heads per KV head: each K or V row is loaded once for the G heads that read it. Returns false
-// on a block outside the pool.
+// One work item of the vector path: query tokens chunk_start .. chunk_start + chunk_len - 1 of a
+// row (decode: its one token), every KV head: the row's blocks are read whole (K and V of all
+// heads of a block's tokens lie together in the pool), and each K or V row is loaded once for the
+// G query heads that read it. head_dim is C * 16. Query token i sees the keys at positions <= its
+// own. Returns false on a block outside the pool.
 template <PoolType T, int C, int G>
-bool RunDecodeRow(const Problem& p, const WorkItem& item) {
+bool RunRowChunk(const Problem& p, const WorkItem& item) {
   constexpr int D = C * 16;
-  const int64_t H = p.H, KVH = p.KVH;
-  const int64_t context = p.context[item.row];
+  constexpr int64_t elem = T == PoolType::kF32 ? 4 : 2;
+  const int64_t H = p.H, KVH = p.KVH, Q = item.chunk_len;
   const int32_t* table = p.tables + static_cast<int64_t>(item.row) * p.M;
   const int64_t token_stride = KVH * D;
   const int64_t block_stride = p.BS * token_stride;
-  constexpr int64_t elem = T == PoolType::kF32 ? 4 : 2;
-  const int64_t q_row = p.q_start[item.row];
-  const float* q_src = p.q + q_row * H * D;
+  const int64_t first_row = p.q_start[item.row] + item.chunk_start;  // the chunk's first token in q
+  const int64_t first_pos = p.context[item.row] - p.q_len[item.row] + item.chunk_start;  // and its position
+  const int64_t keys = first_pos + Q;  // the chunk reads positions 0 .. keys - 1
 
-  // per query head: scaled query, running max / sum, unnormalised output
-  std::vector<VF> qv(H * C), acc(H * C, VF{});
-  std::vector<float> m(H, kNegInf), l(H, 0.0f);
-  for (int64_t i = 0; i < H * C; ++i) {
+  // per (query token, query head): scaled query, running max / sum, unnormalised output
+  std::vector<VF> qv(Q * H * C), acc(Q * H * C, VF{});
+  std::vector<float> m(Q * H, kNegInf), l(Q * H, 0.0f);
+  const float* q_src = p.q + first_row * H * D;
+  for (int64_t i = 0; i < Q * H * C; ++i) {
     std::memcpy(&qv[i], q_src + 16 * i, sizeof(VF));
     qv[i] *= p.scale;
   }
   int64_t offsets[kTile];  // of each key's token (head 0) in the pool
   alignas(64) float probs[G][kTile];
-  for (int64_t tile = 0; tile < context; tile += kTile) {
-    const int n = static_cast<int>(std::min<int64_t>(kTile, context - tile));
+  for (int64_t tile = 0; tile < keys; tile += kTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile, keys - tile));
     for (int t = 0; t < n; ++t) {
       const int64_t pos = tile + t;
       const int64_t block = table[pos / p.BS];
@@ -354,7 +364,7 @@ bool RunDecodeRow(const Problem& p, const WorkItem& item) {
     int64_t ahead[kTile];
     int ahead_n = 0;
     for (int64_t pos = tile + kPrefetchTiles * kTile;
-         pos < std::min<int64_t>(tile + (kPrefetchTiles + 1) * kTile, context); ++pos) {
+         pos < std::min<int64_t>(tile + (kPrefetchTiles + 1) * kTile, keys); ++pos) {
       const int64_t block = table[pos / p.BS];
       if (block < 0 || block >= p.NB) break;
       ahead[ahead_n++] = (p.layer_offset + block * block_stride + (pos % p.BS) * token_stride) * elem;
@@ -368,91 +378,96 @@ bool RunDecodeRow(const Problem& p, const WorkItem& item) {
           __builtin_prefetch(v_row + 64 * line);
         }
       }
-      const VF* q = &qv[h * G * C];  // [G][C]
-      VF partial[G][kTile];
-      for (int t = 0; t < kTile; ++t) {
-        if (t < n) {
-          VF k[C];
-          for (int c = 0; c < C; ++c) k[c] = Load16<T>(p.k, offsets[t] + h * D + 16 * c);
-          for (int g = 0; g < G; ++g) {
-            VF s = q[g * C] * k[0];
-            for (int c = 1; c < C; ++c) s += q[g * C + c] * k[c];
-            partial[g][t] = s;
+      for (int64_t i = 0; i < Q; ++i) {
+        const int visible = static_cast<int>(std::min<int64_t>(n, first_pos + i + 1 - tile));  // causal
+        if (visible <= 0) continue;
+        const int64_t base = i * H + h * G;  // (query token i, query head h * G) in m, l; times C in qv, acc
+        const VF* q = &qv[base * C];         // [G][C]
+        VF partial[G][kTile];
+        for (int t = 0; t < kTile; ++t) {
+          if (t < visible) {
+            VF k[C];
+            for (int c = 0; c < C; ++c) k[c] = Load16<T>(p.k, offsets[t] + h * D + 16 * c);
+            for (int g = 0; g < G; ++g) {
+              VF s = q[g * C] * k[0];
+              for (int c = 1; c < C; ++c) s += q[g * C + c] * k[c];
+              partial[g][t] = s;
+            }
+          } else {
+            for (int g = 0; g < G; ++g) partial[g][t] = VF{};
           }
-        } else {
-          for (int g = 0; g < G; ++g) partial[g][t] = VF{};
         }
-      }
-      float alpha[G];
-      for (int g = 0; g < G; ++g) {
-        const int64_t head = h * G + g;
-        VF scores = SumLanes16(partial[g]);
-        if (n < kTile) scores = kLanes < n ? scores : Splat(kNegInf);
-        const float m_new = std::max(m[head], MaxLanes(scores));
-        alpha[g] = m[head] == kNegInf ? 0.0f : ExpNonPositive(m[head] - m_new);
-        VF pr = ExpNonPositive16(scores - m_new);
-        if (n < kTile) pr = kLanes < n ? pr : VF{};
-        l[head] = l[head] * alpha[g] + AddLanes(pr);
-        m[head] = m_new;
-        std::memcpy(probs[g], &pr, sizeof pr);
-      }
-      VF a[G][C];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) a[g][c] = acc[(h * G + g) * C + c] * alpha[g];
-      for (int t = 0; t < n; ++t) {
-        VF v[C];
-        for (int c = 0; c < C; ++c) v[c] = Load16<T>(p.v, offsets[t] + h * D + 16 * c);
+        float alpha[G];
         for (int g = 0; g < G; ++g) {
-          const VF pt = Splat(probs[g][t]);
-          for (int c = 0; c < C; ++c) a[g][c] += pt * v[c];
+          VF scores = SumLanes16(partial[g]);
+          if (visible < kTile) scores = kLanes < visible ? scores : Splat(kNegInf);
+          const float m_old = m[base + g];
+          const float m_new = std::max(m_old, MaxLanes(scores));
+          alpha[g] = m_old == kNegInf ? 0.0f : ExpNonPositive(m_old - m_new);
+          VF pr = ExpNonPositive16(scores - m_new);
+          if (visible < kTile) pr = kLanes < visible ? pr : VF{};
+          l[base + g] = l[base + g] * alpha[g] + AddLanes(pr);
+          m[base + g] = m_new;
+          std::memcpy(probs[g], &pr, sizeof pr);
         }
+        VF a[G][C];
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < C; ++c) a[g][c] = acc[(base + g) * C + c] * alpha[g];
+        for (int t = 0; t < visible; ++t) {
+          VF v[C];
+          for (int c = 0; c < C; ++c) v[c] = Load16<T>(p.v, offsets[t] + h * D + 16 * c);
+          for (int g = 0; g < G; ++g) {
+            const VF pt = Splat(probs[g][t]);
+            for (int c = 0; c < C; ++c) a[g][c] += pt * v[c];
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < C; ++c) acc[(base + g) * C + c] = a[g][c];
       }
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) acc[(h * G + g) * C + c] = a[g][c];
     }
   }
-  float* dst = p.out + q_row * H * D;
-  for (int64_t head = 0; head < H; ++head) {
-    const float inv = l[head] > 0.0f ? 1.0f / l[head] : 0.0f;
+  float* dst = p.out + first_row * H * D;
+  for (int64_t j = 0; j < Q * H; ++j) {
+    const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
     for (int c = 0; c < C; ++c) {
-      VF x = acc[head * C + c] * inv;
-      std::memcpy(dst + head * D + 16 * c, &x, sizeof x);
+      VF x = acc[j * C + c] * inv;
+      std::memcpy(dst + j * D + 16 * c, &x, sizeof x);
     }
   }
   return true;
 }
 
-// The decode path's kernel for this problem (head_dim 64 or 128, 1-8 query heads per KV head),
+// The vector path's kernel for this problem (head_dim 64 or 128, 1-8 query heads per KV head),
 // or null where the generic path serves it.
-using DecodeFn = bool (*)(const Problem&, const WorkItem&);
+using ChunkFn = bool (*)(const Problem&, const WorkItem&);
 
 template <PoolType T, int C>
-DecodeFn DecodeKernelFor(int64_t G) {
+ChunkFn ChunkKernelFor(int64_t G) {
   switch (G) {
-    case 1: return RunDecodeRow<T, C, 1>;
-    case 2: return RunDecodeRow<T, C, 2>;
-    case 3: return RunDecodeRow<T, C, 3>;
-    case 4: return RunDecodeRow<T, C, 4>;
-    case 5: return RunDecodeRow<T, C, 5>;
-    case 6: return RunDecodeRow<T, C, 6>;
-    case 7: return RunDecodeRow<T, C, 7>;
-    case 8: return RunDecodeRow<T, C, 8>;
+    case 1: return RunRowChunk<T, C, 1>;
+    case 2: return RunRowChunk<T, C, 2>;
+    case 3: return RunRowChunk<T, C, 3>;
+    case 4: return RunRowChunk<T, C, 4>;
+    case 5: return RunRowChunk<T, C, 5>;
+    case 6: return RunRowChunk<T, C, 6>;
+    case 7: return RunRowChunk<T, C, 7>;
+    case 8: return RunRowChunk<T, C, 8>;
   }
   return nullptr;
 }
 
 template <PoolType T>
-DecodeFn DecodeKernelTyped(const Problem& p) {
-  if (p.D == 64) return DecodeKernelFor<T, 4>(p.G);
-  if (p.D == 128) return DecodeKernelFor<T, 8>(p.G);
+ChunkFn ChunkKernelTyped(const Problem& p) {
+  if (p.D == 64) return ChunkKernelFor<T, 4>(p.G);
+  if (p.D == 128) return ChunkKernelFor<T, 8>(p.G);
   return nullptr;
 }
 
-DecodeFn DecodeKernel(const Problem& p) {
+ChunkFn ChunkKernel(const Problem& p) {
   switch (p.type) {
-    case PoolType::kF32: return DecodeKernelTyped<PoolType::kF32>(p);
-    case PoolType::kBF16Bits: return DecodeKernelTyped<PoolType::kBF16Bits>(p);
-    case PoolType::kF16: return DecodeKernelTyped<PoolType::kF16>(p);
+    case PoolType::kF32: return ChunkKernelTyped<PoolType::kF32>(p);
+    case PoolType::kBF16Bits: return ChunkKernelTyped<PoolType::kBF16Bits>(p);
+    case PoolType::kF16: return ChunkKernelTyped<PoolType::kF16>(p);
   }
   return nullptr;
 }
@@ -472,11 +487,11 @@ struct Work {
   // they never touch the buffers, which live only until the handler returns.
   void Drain() {
     std::vector<float> buffer;
-    const DecodeFn decode = DecodeKernel(problem);
+    const ChunkFn vector_path = ChunkKernel(problem);
     const int64_t total = static_cast<int64_t>(items.size());
     for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
       const WorkItem& item = items[i];
-      const bool ok = item.whole_row ? decode(problem, item) : RunItem(problem, item, buffer);
+      const bool ok = item.all_heads ? vector_path(problem, item) : RunItem(problem, item, buffer);
       if (!ok) bad_block = true;
       if (done.fetch_add(1) + 1 == total) {
         std::lock_guard<std::mutex> lock(mu);
@@ -524,7 +539,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           KVH, H / KVH, M, layer_id * NB * BS * KVH * D, tables.typed_data(),
                           context.typed_data(), q_start.typed_data(), q_len.typed_data(), scale,
                           out->typed_data()};
-  const DecodeFn decode = DecodeKernel(work->problem);
+  const bool vector_path = ChunkKernel(work->problem) != nullptr;
   float* result = out->typed_data();
   std::fill(result, result + N * H * D, 0.0f);
   const int32_t* ctx = context.typed_data();
@@ -535,15 +550,14 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     if (ql[b] > ctx[b] || ctx[b] > M * BS || qs[b] < 0 || qs[b] + ql[b] > N)
       return ffi::Error::InvalidArgument("paged attention: row " + std::to_string(b) +
                                          " has tokens outside q, or a context longer than its block table");
-    if (ql[b] == 1 && decode) {  // one item per row, every head
-      work->items.push_back({static_cast<int32_t>(b), 0, 0, 1, static_cast<int64_t>(ctx[b]) * KVH, true});
-      continue;
-    }
-    for (int32_t c = 0; c < ql[b]; c += kQueryChunk) {
+    for (int32_t c = 0; c < ql[b]; c += kQueryChunk) {  // decode: one chunk of one token
       const int32_t len = std::min(kQueryChunk, ql[b] - c);
-      const int64_t last = ctx[b] - ql[b] + c + len;  // keys the chunk reads
-      for (int32_t h = 0; h < KVH; ++h)
-        work->items.push_back({static_cast<int32_t>(b), h, c, len, last * len});
+      const int64_t keys = ctx[b] - ql[b] + c + len;  // the chunk reads positions 0 .. keys - 1
+      if (vector_path) {
+        work->items.push_back({static_cast<int32_t>(b), 0, c, len, keys * len * KVH, true});
+      } else {
+        for (int32_t h = 0; h < KVH; ++h) work->items.push_back({static_cast<int32_t>(b), h, c, len, keys * len});
+      }
     }
   }
   // longest first, so that the threads finish together
