@@ -9,6 +9,7 @@ import re
 import jax
 import pytest
 
+from jpaged.device.attention import native
 from jpaged.device.attention.xla import XLABackend
 from jpaged.device.config import ModelConfig
 from jpaged.device.params import init_params
@@ -20,10 +21,14 @@ CONFIG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_
 NUM_BLOCKS, BLOCK_SIZE = 97, 8  # an odd count so the pool's shape is unmistakable in the HLO
 
 
+BACKENDS = ["xla"] + (["native"] if native.available_variants() else [])  # the native kernel reads it in place too
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("decode", [True, False])
-def test_compiled_step_updates_the_pool_in_place(decode):
-    runner = ModelRunner(CONFIG, init_params(CONFIG, jax.random.key(0)), num_blocks=NUM_BLOCKS,
-                         block_size=BLOCK_SIZE, backend=XLABackend())
+def test_compiled_step_updates_the_pool_in_place(decode, backend):
+    runner = ModelRunner(CONFIG, init_params(CONFIG, jax.random.key(0)), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                         backend=XLABackend() if backend == "xla" else native.NativeBackend())
     rows = [Row([5] if decode else [5, 6, 7], 3 if decode else 0, [16 + 3] if decode else [16, 17, 18], [2, 9])]
     before = runner.cache.k
     runner.execute(rows, decode=decode)
