@@ -7,6 +7,12 @@ is compiled ahead of time once (`jit(...).lower(...).compile()`) and its new exe
 untimed (every executable here is idempotent: a step rewrites the same K/V into the same slots),
 so compilations are counted and their time, first run included, kept out of timings. Each timed
 run is logged as a `DeviceCall` (`take_calls()`), which the engine hands to its step observers.
+
+Sharding (`jpaged.device.sharding`): given a `ShardingStrategy` and a `Mesh`, the runner places the
+parameters and the pool with the strategy's shardings, compiles every executable with them as
+in/out shardings (the pool donated, its output sharding its input's), runs the attention backend
+under `shard_map` on each device's heads, and returns logits replicated. It is the one owner of
+the device state: the mesh, the placed parameters, the pool and the executables.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from jpaged.device.kv_cache import KVCache
 from jpaged.device.model import compute_logits, forward
 from jpaged.device.params import LlamaParams
 from jpaged.device.sampler import SamplingInputs, sample
+from jpaged.device.sharding import ShardedBackend, ShardingStrategy, replicate_kv_heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,13 +101,30 @@ class ModelRunner:
     mostly padding, gathered all the same). The defaults were the fastest measured on the XLA CPU
     path (`bench/README.md`). `num_compilations` counts every executable built (steps, sampler,
     block ops); `num_blocks` and `num_cpu_blocks` are the sizes of the device and CPU pools.
+
+    `sharding` and `mesh` (both or neither): lay the parameters and the pool out over the mesh's
+    devices (see the module docstring). With fewer KV heads than the tensor-parallel size, each KV
+    head is stored `kv_head_replication` times (in wk, wv and the pool: `pool_config`).
     """
 
     def __init__(self, config: ModelConfig, params: LlamaParams, *, num_blocks: int, block_size: int,
                  dtype=jnp.float32, backend, num_cpu_blocks: int = 0,
-                 prefill_q_tile: int = 64, prefill_key_tile: int = 128, decode_key_tile: int = 64):
+                 prefill_q_tile: int = 64, prefill_key_tile: int = 128, decode_key_tile: int = 64,
+                 sharding: ShardingStrategy | None = None, mesh: jax.sharding.Mesh | None = None):
+        if (sharding is None) != (mesh is None):
+            raise ValueError("give a ModelRunner both sharding and mesh, or neither")
+        if sharding is not None:
+            sharding.check(mesh, config)
+        self.sharding, self.mesh = sharding, mesh
+        self.kv_head_replication = sharding.kv_head_replication(mesh, config) if sharding is not None else 1
+        # the pool's geometry: the model's, with each KV head stored kv_head_replication times
+        self.pool_config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * self.kv_head_replication)
         if params.lm_head is None:  # tied embeddings: keep a [hidden, vocab] copy so the LM head is a plain
             params = params.replace(lm_head=jnp.asarray(params.embed.T))  # matmul (no transpose per step)
+        if sharding is not None:
+            params = replicate_kv_heads(params, self.kv_head_replication)
+            params = jax.device_put(params, sharding.param_shardings(mesh, params))
+            backend = ShardedBackend(backend, mesh, sharding)
         self.config, self.params, self.backend = config, params, backend
         self.block_size = block_size
         self.prefill_q_tile = prefill_q_tile
@@ -108,23 +132,57 @@ class ModelRunner:
         self.decode_k_tile = block_size * max(1, decode_key_tile // block_size)
         self.kv_dtype = jnp.dtype(dtype)  # the pool's dtype (stored as `backend.storage_dtype` says)
         storage = backend.storage_dtype(dtype)
-        self.cache = KVCache.create(config, num_blocks, block_size, storage)
-        cpu_shape = (config.num_layers, num_cpu_blocks, block_size, config.num_kv_heads, config.head_dim)
+        pool_shape = (config.num_layers, num_blocks, block_size, self.pool_config.num_kv_heads, config.head_dim)
+        self.cache = self._new_pool(pool_shape, storage)
+        cpu_shape = (config.num_layers, num_cpu_blocks, block_size, self.pool_config.num_kv_heads, config.head_dim)
         self.cpu_k = np.zeros(cpu_shape, np.dtype(storage))
         self.cpu_v = np.zeros(cpu_shape, np.dtype(storage))
         step = functools.partial(_step, config=config, backend=backend)
-        self._jits = {
-            "prefill_step": jax.jit(step, donate_argnums=(1,)),
-            "decode_step": jax.jit(step, donate_argnums=(1,)),
-            "copy_blocks": jax.jit(functools.partial(_copy_blocks, backend=backend), donate_argnums=(0,)),
-            "read_blocks": jax.jit(_read_blocks),
-            "write_blocks": jax.jit(_write_blocks, donate_argnums=(0,)),
-            "sample": sample,
-        }
+        copy = functools.partial(_copy_blocks, backend=backend)
+        if sharding is None:
+            self._jits = {
+                "prefill_step": jax.jit(step, donate_argnums=(1,)),
+                "decode_step": jax.jit(step, donate_argnums=(1,)),
+                "copy_blocks": jax.jit(copy, donate_argnums=(0,)),
+                "read_blocks": jax.jit(_read_blocks),
+                "write_blocks": jax.jit(_write_blocks, donate_argnums=(0,)),
+            }
+        else:  # every argument and result placed as the strategy says; the pool's output sharding is its input's
+            ps, rep = sharding.param_shardings(mesh, params), sharding.replicated(mesh)
+            block = sharding.pool_sharding(mesh)
+            pool = KVCache(k=block, v=block)
+            self._jits = {
+                "prefill_step": jax.jit(step, donate_argnums=(1,), in_shardings=(ps, pool, rep),
+                                        out_shardings=(pool, rep)),
+                "decode_step": jax.jit(step, donate_argnums=(1,), in_shardings=(ps, pool, rep),
+                                       out_shardings=(pool, rep)),
+                "copy_blocks": jax.jit(copy, donate_argnums=(0,), in_shardings=(pool, rep), out_shardings=pool),
+                "read_blocks": jax.jit(_read_blocks, in_shardings=(pool, rep), out_shardings=(block, block)),
+                "write_blocks": jax.jit(_write_blocks, donate_argnums=(0,), in_shardings=(pool, rep, block, block),
+                                        out_shardings=pool),
+            }
+        self._jits["sample"] = sample
         self._executables: dict = {}
         self._calls: list[DeviceCall] = []
         self.compile_seconds = 0.0  # building executables, their untimed first runs included
         self.device_seconds = 0.0  # time inside compiled executables, synchronised (the rest of a step is host time)
+
+    def _new_pool(self, shape, dtype, k=None, v=None) -> KVCache:
+        """A pool of `shape` (zeros, or the host arrays `k`, `v`), placed as the strategy says."""
+        if self.sharding is None:
+            if k is None:
+                return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+            return KVCache(k=jnp.asarray(k), v=jnp.asarray(v))
+        block = self.sharding.pool_sharding(self.mesh)
+        if k is None:  # built in place, each device its own shard (never the whole pool on one device)
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=block)
+            return KVCache(k=zeros(), v=zeros())
+        return KVCache(k=jax.device_put(k, block), v=jax.device_put(v, block))
+
+    @property
+    def devices(self) -> tuple:
+        """The devices the runner's state lives on."""
+        return tuple(self.mesh.devices.flat) if self.mesh is not None else (self.cache.k.devices().pop(),)
 
     @property
     def num_blocks(self) -> int:
@@ -151,7 +209,7 @@ class ModelRunner:
     def reset_pool(self) -> None:
         """A new, zeroed KV pool of the same shape (after `pool_lost`)."""
         k = self.cache.k
-        self.cache = KVCache(k=jnp.zeros(k.shape, k.dtype), v=jnp.zeros(k.shape, k.dtype))
+        self.cache = self._new_pool(k.shape, k.dtype)
 
     def pool_state(self) -> dict:
         """The KV pools' contents (device blocks `k`, `v`; CPU swap blocks `cpu_k`, `cpu_v`), each
@@ -171,8 +229,8 @@ class ModelRunner:
                 array = array.view(have.dtype)
             return array
 
-        self.cache = KVCache(k=jnp.asarray(like(state["k"], self.cache.k)),
-                             v=jnp.asarray(like(state["v"], self.cache.v)))
+        self.cache = self._new_pool(self.cache.k.shape, self.cache.k.dtype,
+                                    like(state["k"], self.cache.k), like(state["v"], self.cache.v))
         self.cpu_k, self.cpu_v = like(state["cpu_k"], self.cpu_k), like(state["cpu_v"], self.cpu_v)
 
     def take_calls(self) -> tuple[DeviceCall, ...]:

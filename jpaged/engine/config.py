@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 
 from jpaged.core.scheduler import SchedulerConfig
 from jpaged.device.attention import BACKENDS
 from jpaged.device.kv_cache import parse_memory_size
+from jpaged.device.sharding import ShardingStrategy, make_mesh, tensor_parallel
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -31,6 +33,10 @@ class EngineConfig:
       against preempting right after admission.
     enable_prefix_caching: reuse the KV blocks of identical prompt prefixes.
     seed: draws the seeds of requests that give none.
+    tensor_parallel_size: devices the model and the KV pool are split over by heads (Megatron-style,
+      `jpaged.device.sharding.tensor_parallel`); 1: one device.
+    sharding / mesh: a `ShardingStrategy` and the `jax.sharding.Mesh` it lays the arrays out on
+      (both, instead of tensor_parallel_size); the mesh must have every axis the strategy's rules name.
     Every field is checked on construction, before anything is loaded (the scheduler's settings
     by `jpaged.core.scheduler.SchedulerConfig`).
     """
@@ -50,6 +56,9 @@ class EngineConfig:
     watermark: float = 0.01
     enable_prefix_caching: bool = False
     seed: int = 0
+    tensor_parallel_size: int = 1
+    sharding: Optional[ShardingStrategy] = None
+    mesh: Optional[jax.sharding.Mesh] = None
 
     def __post_init__(self):
         b = self.block_size
@@ -68,9 +77,37 @@ class EngineConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
         if self.max_model_len is not None and not (isinstance(self.max_model_len, int) and self.max_model_len >= 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        tp = self.tensor_parallel_size
+        if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1):
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if (self.sharding is None) != (self.mesh is None):
+            raise ValueError("give sharding and mesh together (a ShardingStrategy and the jax.sharding.Mesh it uses)")
+        if self.sharding is not None:
+            if not isinstance(self.sharding, ShardingStrategy):
+                raise ValueError(f"sharding must be a jpaged.device.sharding.ShardingStrategy, "
+                                 f"got {type(self.sharding).__name__}")
+            if not isinstance(self.mesh, jax.sharding.Mesh):
+                raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
+            if tp != 1:
+                raise ValueError("give tensor_parallel_size or sharding and mesh, not both")
+            missing = [a for a in self.sharding.mesh_axes if a not in self.mesh.axis_names]
+            if missing:
+                raise ValueError(f"the mesh (axes {', '.join(map(repr, self.mesh.axis_names))}) lacks the axis "
+                                 f"{', '.join(map(repr, missing))} that sharding strategy "
+                                 f"{self.sharding.name!r} names")
+        elif tp > jax.device_count():
+            make_mesh(tp)  # raises the one-line error: more devices asked for than exist
         # the scheduler's settings, checked now, before any model is loaded
         SchedulerConfig(max_num_seqs=self.max_num_seqs, preemption_mode=self.preemption_mode, watermark=self.watermark,
                         max_num_batched_tokens=1 if self.max_num_batched_tokens is None else self.max_num_batched_tokens)
+
+    def layout(self) -> tuple[Optional[ShardingStrategy], Optional[jax.sharding.Mesh]]:
+        """(strategy, mesh) the runner lays the model and the pool out with, or (None, None): one device."""
+        if self.sharding is not None:
+            return self.sharding, self.mesh
+        if self.tensor_parallel_size > 1:
+            return tensor_parallel(), make_mesh(self.tensor_parallel_size)
+        return None, None
 
     @property
     def jnp_dtype(self):

@@ -75,6 +75,9 @@ class LLMEngine:
         backend = None if runner is not None else get_backend(config.attention_backend, interpret=config.interpret)
         # the pool is sized and checked against the memory there is before any weight is read
         model_config = loaded.config if loaded is not None else read_config(config.model)
+        sharding, mesh = (None, None) if runner is not None else config.layout()
+        if sharding is not None:
+            sharding.check(mesh, model_config)  # heads that do not divide: said before any weight is read
         if params is not None:
             if runner is not None:
                 raise ValueError("give params or runner, not both: a runner serves the parameters it holds")
@@ -115,7 +118,7 @@ class LLMEngine:
         if runner is None:
             runner = ModelRunner(model_config, self.model.params, num_blocks=num_blocks,
                                  block_size=config.block_size, dtype=dtype, num_cpu_blocks=num_cpu_blocks,
-                                 backend=backend)
+                                 backend=backend, sharding=sharding, mesh=mesh)
         else:
             _check_runner(runner, model_config, self.kv_cache_spec, dtype)
         self.runner = runner
