@@ -191,7 +191,8 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, device
     devices = list(jax.devices() if devices is None else devices)
     n = tensor_parallel_size * data_parallel_size
     if n > len(devices):
-        raise ValueError(f"tensor_parallel_size x data_parallel_size = {n} devices asked for, but JAX sees "
+        raise ValueError(f"{n} devices asked for (tensor parallel size {tensor_parallel_size} x data parallel "
+                         f"size {data_parallel_size}), but JAX sees "
                          f"{len(devices)} ({devices[0].platform}); on a CPU, set "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts")
     return Mesh(np.asarray(devices[:n]).reshape(data_parallel_size, tensor_parallel_size), MESH_AXES)

@@ -501,6 +501,7 @@ class LLMEngine:
             "num_prefilled_tokens": s.num_prompt_tokens - s.num_cached_prompt_tokens,
             "num_steps": self.num_steps,
             "num_compilations": self.runner.num_compilations,
+            "num_devices": len(self.runner.devices), "kv_head_replication": self.runner.kv_head_replication,
             "compile_seconds": self.runner.compile_seconds,
             "waiting": len(s.waiting), "running": len(s.running), "swapped": len(s.swapped),
         }

@@ -76,6 +76,9 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--swap-space", type=float, default=4.0,
                         help="GiB of CPU block pool for --preemption-mode swap (capped at the device pool's size)")
     parser.add_argument("--enable-prefix-caching", action="store_true", help="reuse the KV blocks of shared prompt prefixes")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="devices to split the model and the KV pool over by heads (on a CPU, force devices "
+                        "with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
 
 
 def engine_config(args):
@@ -88,7 +91,8 @@ def engine_config(args):
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         preemption_mode=args.preemption_mode,
                         swap_space=args.swap_space if args.preemption_mode == "swap" else 0.0,
-                        enable_prefix_caching=args.enable_prefix_caching)
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def serve(args) -> int:
