@@ -147,10 +147,14 @@ def main() -> None:
     result["num_layers"] = model.config.num_layers
     # the Pallas kernels (interpret mode) under shard_map against the XLA path on one device
     few, params = PROMPTS[3:6], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    for name, kwargs in (("xla_one", {}), ("pallas_tp3", {"tensor_parallel_size": 3, "attention_backend": "pallas",
-                                                          "interpret": True})):
+    # and a user's own strategy and mesh: tensor parallel with the embedding and LM head split by vocabulary too
+    runs = (("xla_one", {}), ("pallas_tp3", {"tensor_parallel_size": 3, "attention_backend": "pallas", "interpret": True}),
+            ("vocab_tp3", {"sharding": tensor_parallel(vocab=True), "mesh": make_mesh(3)}))
+    for name, kwargs in runs:
         llm = LLM(loaded=model, num_blocks=16, **kwargs)
         result[name] = tokens(llm.generate(few, params, use_tqdm=False))
+    embed = llm.engine.runner.params.embed
+    result["vocab_embed_shards"] = [list(s.data.shape) for s in embed.addressable_shards]
     result["replication"] = replication_check()
     result["cli"] = {"heads": cli_error("--tensor-parallel-size", "2"), "devices": cli_error("--tensor-parallel-size", "7"),
                      "zero": cli_error("--tensor-parallel-size", "0")}

@@ -67,6 +67,12 @@ def test_pallas_under_shard_map_gives_the_xla_tokens(seen):
     assert seen["pallas_tp3"] == seen["xla_one"]
 
 
+def test_a_users_own_strategy_and_mesh(seen):
+    # LLM(sharding=tensor_parallel(vocab=True), mesh=make_mesh(3)): the embedding split by vocabulary too
+    assert seen["vocab_embed_shards"] == [[49152 // 3, 576]] * 3
+    assert seen["vocab_tp3"] == seen["xla_one"]
+
+
 def test_compiled_steps_have_two_all_reduces_per_layer(seen):
     assert seen["collectives"], "no compiled step recorded"
     assert any(name.startswith("decode_step") for name in seen["collectives"])

@@ -78,6 +78,10 @@ class LLMEngine:
         sharding, mesh = (None, None) if runner is not None else config.layout()
         if sharding is not None:
             sharding.check(mesh, model_config)  # heads that do not divide: said before any weight is read
+        # the pool's geometry: with fewer KV heads than tensor-parallel devices each is stored several times,
+        # and kv_cache_memory / swap_space (the whole pool's, over all devices) pay for every copy
+        replication = sharding.kv_head_replication(mesh, model_config) if sharding is not None else 1
+        pool_config = dataclasses.replace(model_config, num_kv_heads=model_config.num_kv_heads * replication)
         if params is not None:
             if runner is not None:
                 raise ValueError("give params or runner, not both: a runner serves the parameters it holds")
@@ -85,11 +89,11 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         num_blocks = config.num_blocks or num_blocks_for_memory(
-            model_config, config.block_size, dtype, parse_memory_size(config.kv_cache_memory))
+            pool_config, config.block_size, dtype, parse_memory_size(config.kv_cache_memory))
         if num_blocks < 2:
             raise ValueError(f"a KV cache of {config.kv_cache_memory} holds {num_blocks} blocks of "
                              f"{config.block_size} tokens: give it more memory (kv_cache_memory) or set num_blocks")
-        num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block(model_config, config.block_size, dtype))
+        num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block(pool_config, config.block_size, dtype))
         if config.preemption_mode == "swap":
             num_cpu_blocks = min(max(num_cpu_blocks, 1), num_blocks)  # never needs more than the device pool
         if runner is None:  # a new pool, and the parameters still to be placed (the runner's tied LM head copy too)
@@ -97,7 +101,7 @@ class LLMEngine:
             params_bytes = itemsize * ((num_params(model_config) if loaded is None else 0)
                                        + (model_config.vocab_size * model_config.hidden_size
                                           if model_config.tie_word_embeddings else 0))
-            check_pool_fits(model_config, config.block_size, dtype, num_blocks, num_cpu_blocks, params_bytes)
+            check_pool_fits(pool_config, config.block_size, dtype, num_blocks, num_cpu_blocks, params_bytes)
         if loaded is not None and loaded.params.embed.dtype != self.param_dtype:
             loaded = dataclasses.replace(loaded, params=cast_params(loaded.params, self.param_dtype))
         self.model = loaded if loaded is not None else load_model(config.model, dtype=self.param_dtype)
