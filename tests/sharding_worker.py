@@ -14,10 +14,8 @@ import io
 import json
 import os
 import pathlib
-import re
 import sys
 import time
-from collections import Counter
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
@@ -26,6 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.sharding import collectives  # noqa: E402
 from jpaged import LLM, SamplingParams, weights  # noqa: E402
 from jpaged.device.config import ModelConfig  # noqa: E402
 from jpaged.device.params import init_params  # noqa: E402
@@ -55,24 +54,6 @@ def _cache():
 
 def tokens(outs):
     return [[list(o.token_ids) for o in r.outputs] for r in outs]
-
-
-def collectives(executable) -> dict:
-    """Collective ops of a compiled executable, and how many of them sit in a while loop's body (the
-    layer scan: run once per layer)."""
-    text = executable.as_text()
-    bodies = set(re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", text))
-    counts, in_loop, computation = Counter(), Counter(), None
-    for line in text.splitlines():
-        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if header:
-            computation = header[1]
-        op = re.search(r"= \S+ (all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)(?:-start)?\(",
-                       line)
-        if op:
-            counts[op[1]] += 1
-            in_loop[op[1]] += computation in bodies
-    return {"counts": dict(counts), "in_loop": dict(in_loop)}
 
 
 def engine_run(model, **kwargs):
