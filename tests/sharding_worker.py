@@ -31,7 +31,7 @@ from jpaged.device.params import init_params  # noqa: E402
 from jpaged.device.runner import ModelRunner  # noqa: E402
 from jpaged.device.sharding import ShardingStrategy, make_mesh, tensor_parallel  # noqa: E402
 from jpaged.device.attention import get_backend  # noqa: E402
-from jpaged.engine import EngineConfig  # noqa: E402
+from jpaged.engine import EngineConfig, llm_engine  # noqa: E402
 from jpaged.entrypoints import cli  # noqa: E402
 
 SYSTEM = ("You are a careful assistant. Answer in one short sentence, with no preamble, and never repeat "
@@ -97,10 +97,10 @@ def replication_check() -> dict:
 
 
 def cli_error(*argv) -> dict:
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         code = cli.main(["generate", "hi", *argv])
-    return {"code": code, "stderr": err.getvalue()}
+    return {"code": code, "stderr": err.getvalue(), "stdout": out.getvalue()}
 
 
 def config_error(**kwargs) -> str:
@@ -137,6 +137,9 @@ def main() -> None:
     embed = llm.engine.runner.params.embed
     result["vocab_embed_shards"] = [list(s.data.shape) for s in embed.addressable_shards]
     result["replication"] = replication_check()
+    llm_engine.load_model = lambda path, dtype=None: model  # the CLI's run below reuses the loaded model
+    ok = cli_error("--tensor-parallel-size", "3", "--max-tokens", "4", "--num-blocks", "16", "--json")
+    result["cli_tp3"] = {"code": ok["code"], "summary": json.loads(ok["stdout"].splitlines()[-1])["summary"]}
     result["cli"] = {"heads": cli_error("--tensor-parallel-size", "2"), "devices": cli_error("--tensor-parallel-size", "7"),
                      "zero": cli_error("--tensor-parallel-size", "0")}
     result["config"] = {

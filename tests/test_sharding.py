@@ -83,6 +83,12 @@ def test_compiled_steps_have_two_all_reduces_per_layer(seen):
         assert c["in_loop"] == {"all-reduce": 2}, (name, c)
 
 
+def test_cli_runs_tensor_parallel(seen):
+    # jpaged generate hi --tensor-parallel-size 3 --json: the flag reaches the engine
+    assert seen["cli_tp3"]["code"] == 0
+    assert seen["cli_tp3"]["summary"]["output_tokens"] == 4 and seen["cli_tp3"]["summary"]["num_devices"] == 3
+
+
 @pytest.mark.parametrize("case, message", [
     ("heads", "9 query heads do not divide over 2 devices"),
     ("devices", "7 devices asked for"),

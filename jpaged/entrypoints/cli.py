@@ -203,7 +203,8 @@ def generate(args) -> int:
         "kv_utilization": round(stats["kv_utilization"], 4) if stats["kv_utilization"] is not None else None,
         "num_preemptions": stats["num_preemptions"], "prefix_cache_hit_rate": round(stats["prefix_cache_hit_rate"], 4),
         "num_compilations": stats["num_compilations"], "compile_s": round(llm.last_run["compile_s"], 3),
-        "load_s": round(load_s, 3),
+        "load_s": round(load_s, 3), "num_devices": stats["num_devices"],
+        "kv_head_replication": stats["kv_head_replication"],
     }
     if args.json:
         for text, r in zip(texts, outputs):
