@@ -14,6 +14,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import sys
 import time
 
@@ -56,6 +57,17 @@ def tokens(outs):
     return [[list(o.token_ids) for o in r.outputs] for r in outs]
 
 
+def pool_copies(executable, shard_shape) -> dict:
+    """Whether a compiled step aliases the donated pool to its output, and its lines that copy a
+    device's pool shard or materialise one layer of it (tests/test_no_pool_copy.py, per device)."""
+    text = executable.as_text()
+    pool = "f32[" + ",".join(map(str, shard_shape)) + "]"
+    layer = "f32[" + ",".join(map(str, shard_shape[1:])) + "]"
+    return {"aliased": "input_output_alias" in text,
+            "copies": [line for line in text.splitlines() if re.search(rf"= {re.escape(pool)}\S* copy\(", line)],
+            "layer_slices": [line for line in text.splitlines() if re.search(rf"= {re.escape(layer)}", line)]}
+
+
 def engine_run(model, **kwargs):
     llm = LLM(loaded=model, num_blocks=kwargs.pop("num_blocks", 10), enable_prefix_caching=True, **kwargs)
     t0 = time.perf_counter()
@@ -64,7 +76,7 @@ def engine_run(model, **kwargs):
     llm.engine.scheduler.block_manager.check_invariants()
     return llm, {"tokens": tokens(outs), "num_preemptions": stats["num_preemptions"],
                  "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"], "seconds": time.perf_counter() - t0,
-                 "num_free_blocks": stats["num_free_blocks"], "num_blocks": llm.engine.num_blocks,
+                 "num_free_blocks": stats["num_free_blocks"], "num_compilations": stats["num_compilations"], "num_blocks": llm.engine.num_blocks,
                  "num_devices": stats["num_devices"], "kv_head_replication": stats["kv_head_replication"]}
 
 
@@ -126,6 +138,8 @@ def main() -> None:
     result["collectives"] = {f"{name}:{i}": collectives(ex) for i, ((name, _), ex)
                              in enumerate(runner.executables.items()) if name.endswith("_step")}
     result["num_layers"] = model.config.num_layers
+    result["pool_copies"] = {f"{name}:{i}": pool_copies(ex, runner.cache.k.addressable_shards[0].data.shape)
+                             for i, ((name, _), ex) in enumerate(runner.executables.items()) if name.endswith("_step")}
     # the Pallas kernels (interpret mode) under shard_map against the XLA path on one device
     few, params = PROMPTS[3:6], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     # and a user's own strategy and mesh: tensor parallel with the embedding and LM head split by vocabulary too

@@ -41,11 +41,18 @@ def test_tensor_parallel_3_gives_one_devices_tokens(seen, mode):
     assert len(one["tokens"]) >= 8
     assert [len(r) for r in one["tokens"]][6:8] == [2, 2]  # the beam-search and the n=2 requests
     assert tp3["tokens"] == one["tokens"]
+    assert tp3["num_compilations"] == one["num_compilations"]  # the same shape buckets, nothing recompiled
     assert tp3["num_free_blocks"] == tp3["num_blocks"] - 1  # every block back at the end
 
 
 def test_preemption_modes_agree(seen):
     assert seen["one_recompute"]["tokens"] == seen["one_swap"]["tokens"]
+
+
+def test_steps_update_each_devices_pool_shard_in_place(seen):
+    assert seen["pool_copies"]
+    for name, c in seen["pool_copies"].items():
+        assert c["aliased"] and c["copies"] == [] and c["layer_slices"] == [], (name, c)
 
 
 def test_each_device_holds_a_third_of_the_kv_heads(seen):
