@@ -23,6 +23,10 @@ Named strategies (rule sets):
                        by columns and down by rows, norms, embedding and LM head replicated; the pool
                        split by KV heads, so one block table serves every device (the paper's 4.6).
                        Two all-reduces per layer (after o and after down).
+  `data_parallel()`    the pool split by blocks over the mesh axis `data` (each device owns a slice of
+                       the blocks and runs the requests placed there: `jpaged.core.partitioned`), the
+                       step's tokens split likewise, weights replicated; the whole step runs per
+                       device under `shard_map`, with no collective but the logits' final gather.
 
 Invariants (checked by `check`):
   - `head_dim` and `block_slots` are never split: a head and a block are never cut;
@@ -30,8 +34,9 @@ Invariants (checked by `check`):
   - the heads divide by that axis' size; KV heads that do not (fewer KV heads than devices) are
     replicated at load by `kv_head_replication` (never split inside a head), and the strategy reports
     the factor;
-  - `blocks` and `tokens` are not split: the data-parallel layout (the pool split by blocks, one host partition per
-    data rank) is not built yet.
+  - `blocks` and `tokens` map to the same mesh axis (a device runs the tokens of the requests whose
+    blocks it owns), and not together with a split of the heads (data x tensor parallel on one 2-D
+    mesh is not built yet).
 """
 
 from __future__ import annotations
@@ -125,10 +130,16 @@ class ShardingStrategy:
         if missing:
             raise ValueError(f"the mesh (axes {', '.join(map(repr, mesh.axis_names))}) lacks the axis "
                              f"{', '.join(map(repr, missing))} that sharding strategy {self.name!r} names")
-        for logical in ("blocks", "tokens"):
-            if self.axis_size(logical, mesh) > 1:
-                raise ValueError(f"splitting {logical!r} (data parallel) is not supported yet: map it to None "
-                                 "or to a mesh axis of size 1")
+        rules = self.rule_map
+        dp = self.axis_size("blocks", mesh)
+        if dp > 1 or self.axis_size("tokens", mesh) > 1:
+            if rules.get("blocks") != rules.get("tokens"):
+                raise ValueError("sharding rules must map 'blocks' and 'tokens' to the same mesh axis (data parallel: "
+                                 "a device runs the tokens of the requests whose blocks it holds)")
+            split = [a for a in ("heads", "kv_heads", "mlp", "vocab", "embed", "layers") if self.axis_size(a, mesh) > 1]
+            if split:
+                raise ValueError(f"data parallel (blocks split) together with {', '.join(map(repr, split))} split is "
+                                 "not supported yet: use one or the other")
         tp = self.axis_size("heads", mesh)
         if config.num_heads % tp:
             raise ValueError(f"the model's {config.num_heads} query heads do not divide over "
@@ -183,6 +194,11 @@ def tensor_parallel(*, vocab: bool = False) -> ShardingStrategy:
     if vocab:
         rules += (("vocab", "model"),)
     return ShardingStrategy(name="tensor_parallel" + ("_vocab" if vocab else ""), rules=rules)
+
+
+def data_parallel() -> ShardingStrategy:
+    """The pool split by blocks and the step's tokens by rank over the mesh axis `data`; weights replicated."""
+    return ShardingStrategy(name="data_parallel", rules=(("blocks", "data"), ("tokens", "data")))
 
 
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None) -> Mesh:

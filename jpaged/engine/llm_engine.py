@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import pathlib
@@ -29,6 +30,7 @@ import numpy as np
 
 from jpaged.core import beam_search
 from jpaged.core.block_manager import BlockManager
+from jpaged.core.partitioned import PartitionedBlockManager
 from jpaged.core.detokenizer import append_text, find_stop, stream_safe_length
 from jpaged.core.kv_cache_manager import (ForkingKVCacheManager, KVCacheManager, KVCacheSpec, blocks_for,
                                           kv_utilization)
@@ -81,6 +83,9 @@ class LLMEngine:
         # the pool's geometry: with fewer KV heads than tensor-parallel devices each is stored several times,
         # and kv_cache_memory / swap_space (the whole pool's, over all devices) pay for every copy
         replication = sharding.kv_head_replication(mesh, model_config) if sharding is not None else 1
+        # data parallel: the pool (and the swap pool) shared out evenly between the ranks' partitions
+        self.num_partitions = (runner.num_partitions if runner is not None
+                               else sharding.axis_size("blocks", mesh) if sharding is not None else 1)
         pool_config = dataclasses.replace(model_config, num_kv_heads=model_config.num_kv_heads * replication)
         if params is not None:
             if runner is not None:
@@ -90,12 +95,22 @@ class LLMEngine:
                                  model_config.max_position_embeddings)
         num_blocks = config.num_blocks or num_blocks_for_memory(
             pool_config, config.block_size, dtype, parse_memory_size(config.kv_cache_memory))
+        parts = self.num_partitions
+        if parts > 1:
+            if config.num_blocks is not None and (num_blocks % parts or num_blocks // parts < 2):
+                raise ValueError(f"num_blocks={num_blocks} does not split into {parts} data-parallel partitions of "
+                                 f"at least 2 blocks each (each has its null block): give a multiple of {parts}")
+            if kv_cache_manager is not None:
+                raise ValueError("data parallel builds its own partitioned KV cache manager: give no kv_cache_manager")
+            num_blocks = num_blocks // parts * parts
         if num_blocks < 2:
             raise ValueError(f"a KV cache of {config.kv_cache_memory} holds {num_blocks} blocks of "
                              f"{config.block_size} tokens: give it more memory (kv_cache_memory) or set num_blocks")
         num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block(pool_config, config.block_size, dtype))
         if config.preemption_mode == "swap":
             num_cpu_blocks = min(max(num_cpu_blocks, 1), num_blocks)  # never needs more than the device pool
+            num_cpu_blocks = max(num_cpu_blocks, parts)
+        num_cpu_blocks = num_cpu_blocks // parts * parts
         if runner is None:  # a new pool, and the parameters still to be placed (the runner's tied LM head copy too)
             itemsize = np.dtype(self.param_dtype).itemsize
             params_bytes = itemsize * ((num_params(model_config) if loaded is None else 0)
@@ -118,6 +133,8 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens or max(self.max_model_len, 2048),
             preemption_mode=config.preemption_mode, watermark=config.watermark)
         factory = kv_cache_manager or BlockManager.from_spec
+        if parts > 1:
+            factory = functools.partial(PartitionedBlockManager.from_spec, num_partitions=parts)
         self.scheduler = Scheduler(factory(self.kv_cache_spec), scheduler_config)
         if runner is None:
             runner = ModelRunner(model_config, self.model.params, num_blocks=num_blocks,
@@ -214,9 +231,11 @@ class LLMEngine:
                              f"shorten it to at most {self.max_model_len - 1} tokens")
         bs = self.config.block_size
         need = blocks_for(n, bs)
-        if need > self.num_blocks - 1:
+        usable = self.num_blocks // self.num_partitions - 1  # a request lives in one partition
+        if need > usable:
             raise ValueError(f"prompt of {n} tokens needs {need} KV blocks of {bs} tokens but the pool has "
-                             f"{self.num_blocks - 1}: raise num_blocks / kv_cache_memory or shorten the prompt")
+                             f"{usable}{' per data-parallel partition' if self.num_partitions > 1 else ''}: "
+                             "raise num_blocks / kv_cache_memory or shorten the prompt")
 
     def add_request(self, request_id: str, prompt, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None) -> None:
@@ -486,7 +505,7 @@ class LLMEngine:
         blocks in use (a block shared by several tables counts once; a manager that reserves blocks
         ahead counts them as in use)."""
         bm = self.scheduler.block_manager
-        self.peak_used_blocks = max(self.peak_used_blocks, bm.num_blocks - 1 - bm.num_free_blocks)
+        self.peak_used_blocks = max(self.peak_used_blocks, bm.num_blocks - self.num_partitions - bm.num_free_blocks)
         utilization = kv_utilization(bm)
         if utilization is not None:
             self._utilization_sum += utilization
