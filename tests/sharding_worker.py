@@ -111,7 +111,10 @@ def replication_check() -> dict:
 def cli_error(*argv) -> dict:
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        code = cli.main(["generate", "hi", *argv])
+        try:
+            code = cli.main(["generate", "hi", *argv])
+        except SystemExit as e:  # argparse refused the arguments
+            code = e.code
     return {"code": code, "stderr": err.getvalue(), "stdout": out.getvalue()}
 
 
@@ -130,7 +133,12 @@ def main() -> None:
     for mode in ("recompute", "swap"):
         extra = {"preemption_mode": mode, "swap_space": 0.05} if mode == "swap" else {}
         _, result[f"one_{mode}"] = engine_run(model, **extra)
+        dp, result[f"dp2_{mode}"] = engine_run(model, data_parallel_size=2, **extra)
         llm, result[f"tp3_{mode}"] = engine_run(model, tensor_parallel_size=3, **extra)
+    result["dp_pool_shards"] = [list(s.data.shape) for s in dp.engine.runner.cache.k.addressable_shards]
+    result["dp_collectives"] = {f"{name}:{i}": collectives(ex) for i, ((name, _), ex)
+                                in enumerate(dp.engine.runner.executables.items()) if name.endswith("_step")}
+    result["dp_ranks"] = dp.engine.scheduler.block_manager.num_partitions
     runner = llm.engine.runner
     result["pool_sharding"] = str(runner.cache.k.sharding.spec)
     result["pool_shards"] = [[str(s.device), list(s.data.shape)] for s in runner.cache.k.addressable_shards]
@@ -144,18 +152,23 @@ def main() -> None:
     few, params = PROMPTS[3:6], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     # and a user's own strategy and mesh: tensor parallel with the embedding and LM head split by vocabulary too
     runs = (("xla_one", {}), ("pallas_tp3", {"tensor_parallel_size": 3, "attention_backend": "pallas", "interpret": True}),
-            ("vocab_tp3", {"sharding": tensor_parallel(vocab=True), "mesh": make_mesh(3)}))
+            ("vocab_tp3", {"sharding": tensor_parallel(vocab=True), "mesh": make_mesh(3)}),
+            ("pallas_dp2", {"data_parallel_size": 2, "attention_backend": "pallas", "interpret": True}))
     for name, kwargs in runs:
         llm = LLM(loaded=model, num_blocks=16, **kwargs)
         result[name] = tokens(llm.generate(few, params, use_tqdm=False))
-    embed = llm.engine.runner.params.embed
-    result["vocab_embed_shards"] = [list(s.data.shape) for s in embed.addressable_shards]
+        if name == "vocab_tp3":
+            result["vocab_embed_shards"] = [list(s.data.shape) for s in llm.engine.runner.params.embed.addressable_shards]
     result["replication"] = replication_check()
     llm_engine.load_model = lambda path, dtype=None: model  # the CLI's run below reuses the loaded model
     ok = cli_error("--tensor-parallel-size", "3", "--max-tokens", "4", "--num-blocks", "16", "--json")
     result["cli_tp3"] = {"code": ok["code"], "summary": json.loads(ok["stdout"].splitlines()[-1])["summary"]}
     result["cli"] = {"heads": cli_error("--tensor-parallel-size", "2"), "devices": cli_error("--tensor-parallel-size", "7"),
-                     "zero": cli_error("--tensor-parallel-size", "0")}
+                     "zero": cli_error("--tensor-parallel-size", "0"),
+                     "dp_devices": cli_error("--data-parallel-size", "7"),
+                     "both": cli_error("--data-parallel-size", "2", "--tensor-parallel-size", "3")}
+    ok = cli_error("--data-parallel-size", "2", "--max-tokens", "4", "--num-blocks", "16", "--json")
+    result["cli_dp2"] = {"code": ok["code"], "summary": json.loads(ok["stdout"].splitlines()[-1])["summary"]}
     result["config"] = {
         "mesh_axis": config_error(sharding=tensor_parallel(), mesh=jax.sharding.Mesh(np.asarray(jax.devices()[:3]), ("x",))),
         "both": config_error(sharding=tensor_parallel(), mesh=make_mesh(3), tensor_parallel_size=3),

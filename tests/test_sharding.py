@@ -1,4 +1,4 @@
-"""Tensor parallelism on forced CPU devices (issue 13), against one device.
+"""Tensor and data parallelism on forced CPU devices (issue 13), against one device.
 
 The checks need several devices, and `XLA_FLAGS=--xla_force_host_platform_device_count=6` acts only
 before JAX starts, while this suite runs on one: `tests/sharding_worker.py` runs them in a process
@@ -43,6 +43,29 @@ def test_tensor_parallel_3_gives_one_devices_tokens(seen, mode):
     assert tp3["tokens"] == one["tokens"]
     assert tp3["num_compilations"] == one["num_compilations"]  # the same shape buckets, nothing recompiled
     assert tp3["num_free_blocks"] == tp3["num_blocks"] - 1  # every block back at the end
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_data_parallel_2_gives_one_devices_tokens(seen, mode):
+    one, dp2 = seen[f"one_{mode}"], seen[f"dp2_{mode}"]
+    assert dp2["num_devices"] == 2 and seen["dp_ranks"] == 2
+    assert dp2["num_preemptions"] > 0, "each partition (4 usable blocks) was meant to be too small"
+    assert dp2["prefix_cache_hit_rate"] > 0
+    assert dp2["tokens"] == one["tokens"]
+    assert dp2["num_free_blocks"] == dp2["num_blocks"] - 2  # every block back, but each partition's null block
+
+
+def test_data_parallel_devices_hold_half_the_blocks_and_attention_needs_no_collective(seen):
+    layers, blocks, block_size, kv_heads, head_dim = seen["pool_shape"]
+    assert seen["dp_pool_shards"] == [[layers, blocks // 2, block_size, kv_heads, head_dim]] * 2
+    for name, c in seen["dp_collectives"].items():
+        assert c["in_loop"] == {} or set(c["in_loop"].values()) == {0}, (name, c)  # nothing in the layers
+        assert sum(c["counts"].values()) <= 1, (name, c)  # the logits' gather, at the end
+        assert "all-to-all" not in c["counts"]
+
+
+def test_pallas_under_shard_map_on_local_blocks_gives_the_xla_tokens(seen):
+    assert seen["pallas_dp2"] == seen["xla_one"]
 
 
 def test_preemption_modes_agree(seen):
@@ -90,16 +113,19 @@ def test_compiled_steps_have_two_all_reduces_per_layer(seen):
         assert c["in_loop"] == {"all-reduce": 2}, (name, c)
 
 
-def test_cli_runs_tensor_parallel(seen):
-    # jpaged generate hi --tensor-parallel-size 3 --json: the flag reaches the engine
-    assert seen["cli_tp3"]["code"] == 0
-    assert seen["cli_tp3"]["summary"]["output_tokens"] == 4 and seen["cli_tp3"]["summary"]["num_devices"] == 3
+@pytest.mark.parametrize("run, devices", [("cli_tp3", 3), ("cli_dp2", 2)])
+def test_cli_runs_sharded(seen, run, devices):
+    # jpaged generate hi --tensor-parallel-size 3 (--data-parallel-size 2) --json: the flag reaches the engine
+    assert seen[run]["code"] == 0
+    assert seen[run]["summary"]["output_tokens"] == 4 and seen[run]["summary"]["num_devices"] == devices
 
 
 @pytest.mark.parametrize("case, message", [
     ("heads", "9 query heads do not divide over 2 devices"),
     ("devices", "7 devices asked for"),
     ("zero", "tensor_parallel_size must be an integer >= 1"),
+    ("dp_devices", "7 devices asked for"),
+    ("both", "not supported yet"),
 ])
 def test_cli_bad_tensor_parallel_size_exits_2_with_one_line(seen, case, message):
     out = seen["cli"][case]

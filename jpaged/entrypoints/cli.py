@@ -79,6 +79,8 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="devices to split the model and the KV pool over by heads (on a CPU, force devices "
                         "with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="devices to split the KV pool over by blocks, each running the requests placed on it")
 
 
 def engine_config(args):
@@ -92,7 +94,8 @@ def engine_config(args):
                         preemption_mode=args.preemption_mode,
                         swap_space=args.swap_space if args.preemption_mode == "swap" else 0.0,
                         enable_prefix_caching=args.enable_prefix_caching,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        data_parallel_size=args.data_parallel_size)
 
 
 def serve(args) -> int:
