@@ -134,11 +134,15 @@ def main() -> None:
         extra = {"preemption_mode": mode, "swap_space": 0.05} if mode == "swap" else {}
         _, result[f"one_{mode}"] = engine_run(model, **extra)
         dp, result[f"dp2_{mode}"] = engine_run(model, data_parallel_size=2, **extra)
+        both, result[f"dp2xtp3_{mode}"] = engine_run(model, data_parallel_size=2, tensor_parallel_size=3, **extra)
         llm, result[f"tp3_{mode}"] = engine_run(model, tensor_parallel_size=3, **extra)
     result["dp_pool_shards"] = [list(s.data.shape) for s in dp.engine.runner.cache.k.addressable_shards]
     result["dp_collectives"] = {f"{name}:{i}": collectives(ex) for i, ((name, _), ex)
                                 in enumerate(dp.engine.runner.executables.items()) if name.endswith("_step")}
     result["dp_ranks"] = dp.engine.scheduler.block_manager.num_partitions
+    result["both_pool_shards"] = [list(s.data.shape) for s in both.engine.runner.cache.k.addressable_shards]
+    result["both_collectives"] = {f"{name}:{i}": collectives(ex) for i, ((name, _), ex)
+                                  in enumerate(both.engine.runner.executables.items()) if name.endswith("_step")}
     runner = llm.engine.runner
     result["pool_sharding"] = str(runner.cache.k.sharding.spec)
     result["pool_shards"] = [[str(s.device), list(s.data.shape)] for s in runner.cache.k.addressable_shards]
@@ -166,7 +170,7 @@ def main() -> None:
     result["cli"] = {"heads": cli_error("--tensor-parallel-size", "2"), "devices": cli_error("--tensor-parallel-size", "7"),
                      "zero": cli_error("--tensor-parallel-size", "0"),
                      "dp_devices": cli_error("--data-parallel-size", "7"),
-                     "both": cli_error("--data-parallel-size", "2", "--tensor-parallel-size", "3")}
+                     "both": cli_error("--data-parallel-size", "2", "--tensor-parallel-size", "2")}
     ok = cli_error("--data-parallel-size", "2", "--max-tokens", "4", "--num-blocks", "16", "--json")
     result["cli_dp2"] = {"code": ok["code"], "summary": json.loads(ok["stdout"].splitlines()[-1])["summary"]}
     result["config"] = {

@@ -46,9 +46,10 @@ def test_tensor_parallel_3_gives_one_devices_tokens(seen, mode):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_data_parallel_2_gives_one_devices_tokens(seen, mode):
-    one, dp2 = seen[f"one_{mode}"], seen[f"dp2_{mode}"]
-    assert dp2["num_devices"] == 2 and seen["dp_ranks"] == 2
+@pytest.mark.parametrize("run, devices", [("dp2", 2), ("dp2xtp3", 6)])
+def test_data_parallel_2_gives_one_devices_tokens(seen, mode, run, devices):
+    one, dp2 = seen[f"one_{mode}"], seen[f"{run}_{mode}"]
+    assert dp2["num_devices"] == devices and seen["dp_ranks"] == 2
     assert dp2["num_preemptions"] > 0, "each partition (4 usable blocks) was meant to be too small"
     assert dp2["prefix_cache_hit_rate"] > 0
     assert dp2["tokens"] == one["tokens"]
@@ -62,6 +63,14 @@ def test_data_parallel_devices_hold_half_the_blocks_and_attention_needs_no_colle
         assert c["in_loop"] == {} or set(c["in_loop"].values()) == {0}, (name, c)  # nothing in the layers
         assert sum(c["counts"].values()) <= 1, (name, c)  # the logits' gather, at the end
         assert "all-to-all" not in c["counts"]
+
+
+def test_2x3_devices_hold_half_the_blocks_of_one_kv_head(seen):
+    layers, blocks, block_size, kv_heads, head_dim = seen["pool_shape"]
+    assert seen["both_pool_shards"] == [[layers, blocks // 2, block_size, 1, head_dim]] * 6
+    for name, c in seen["both_collectives"].items():
+        assert c["in_loop"] == {"all-reduce": 2}, (name, c)  # tensor parallel's two; data parallel adds none
+        assert "all-to-all" not in c["counts"] and c["counts"]["all-reduce"] <= 3, (name, c)
 
 
 def test_pallas_under_shard_map_on_local_blocks_gives_the_xla_tokens(seen):
@@ -125,7 +134,7 @@ def test_cli_runs_sharded(seen, run, devices):
     ("devices", "7 devices asked for"),
     ("zero", "tensor_parallel_size must be an integer >= 1"),
     ("dp_devices", "7 devices asked for"),
-    ("both", "not supported yet"),
+    ("both", "9 query heads do not divide over 2 devices"),
 ])
 def test_cli_bad_tensor_parallel_size_exits_2_with_one_line(seen, case, message):
     out = seen["cli"][case]

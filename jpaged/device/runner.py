@@ -87,16 +87,19 @@ def _step(params, cache, inputs, *, config, backend):
     return cache, compute_logits(params, hidden[inputs.logits_index])
 
 
-def _data_parallel_step(params, cache, inputs, row_index, *, config, backend, mesh, param_specs, pool_spec, axis):
+def _data_parallel_step(params, cache, inputs, row_index, *, config, backend, mesh, pool_spec, axis):
     """`_step` on every data rank's own rows and pool shard (`inputs`: stacked per rank); the logits of
-    all ranks' rows, flattened rank-major, then picked in the step's row order (`row_index`)."""
+    all ranks' rows, flattened rank-major, then picked in the step's row order (`row_index`). Only the
+    data axis is manual: a tensor-parallel split on the other axis stays with the compiler (and the
+    attention backend's own `shard_map` over it)."""
     def local(params, cache, inputs):
         cache, logits = _step(params, cache, jax.tree.map(lambda x: x[0], inputs), config=config, backend=backend)
         return cache, logits[None]
 
     pool = KVCache(k=pool_spec, v=pool_spec)
-    cache, logits = jax.shard_map(local, mesh=mesh, in_specs=(param_specs, pool, P(axis)), out_specs=(pool, P(axis)),
-                                  check_vma=False)(params, cache, inputs)
+    params_spec = jax.tree.map(lambda _: P(), params)
+    cache, logits = jax.shard_map(local, mesh=mesh, in_specs=(params_spec, pool, P(axis)), out_specs=(pool, P(axis)),
+                                  axis_names={axis}, check_vma=False)(params, cache, inputs)
     return cache, logits.reshape(-1, logits.shape[-1])[row_index]
 
 
@@ -104,7 +107,7 @@ def _data_parallel_copy(cache, pairs, *, backend, mesh, pool_spec, axis):
     """Copy-on-write per data rank: `pairs` i32[ranks, P, 2] in each rank's local block ids."""
     k, v = jax.shard_map(lambda k, v, pairs: backend.copy_blocks(k, v, pairs[0]), mesh=mesh,
                          in_specs=(pool_spec, pool_spec, P(axis)), out_specs=(pool_spec, pool_spec),
-                         check_vma=False)(cache.k, cache.v, pairs)
+                         axis_names={axis}, check_vma=False)(cache.k, cache.v, pairs)
     return KVCache(k=k, v=v)
 
 
@@ -170,7 +173,7 @@ class ModelRunner:
         if sharding is not None:
             params = replicate_kv_heads(params, self.kv_head_replication)
             params = jax.device_put(params, sharding.param_shardings(mesh, params))
-            if self.num_partitions == 1:  # tensor parallel: attention per device on its heads
+            if sharding.axis_size("kv_heads", mesh) > 1:  # tensor parallel: attention per device on its heads
                 backend = ShardedBackend(backend, mesh, sharding)
         self.config, self.params, self.backend = config, params, backend
         self.block_size = block_size
@@ -200,9 +203,9 @@ class ModelRunner:
             pool = KVCache(k=block, v=block)
             if self.num_partitions > 1:
                 axis = sharding.rule_map["blocks"]
-                specs = dict(mesh=mesh, pool_spec=block.spec, axis=axis)
-                step = functools.partial(_data_parallel_step, config=config, backend=backend,
-                                         param_specs=jax.tree.map(lambda x: x.spec, ps), **specs)
+                # the manual (data) axis alone in the specs: the pool by blocks
+                specs = dict(mesh=mesh, pool_spec=P(*(a if a == axis else None for a in block.spec)), axis=axis)
+                step = functools.partial(_data_parallel_step, config=config, backend=backend, **specs)
                 copy = functools.partial(_data_parallel_copy, backend=backend, **specs)
                 by_rank = jax.sharding.NamedSharding(mesh, P(axis))
                 step_in, copy_in = (ps, pool, by_rank, rep), (pool, by_rank)

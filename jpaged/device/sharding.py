@@ -23,6 +23,7 @@ Named strategies (rule sets):
                        by columns and down by rows, norms, embedding and LM head replicated; the pool
                        split by KV heads, so one block table serves every device (the paper's 4.6).
                        Two all-reduces per layer (after o and after down).
+  `data_and_tensor_parallel()`  both, on a 2-D mesh (data x model).
   `data_parallel()`    the pool split by blocks over the mesh axis `data` (each device owns a slice of
                        the blocks and runs the requests placed there: `jpaged.core.partitioned`), the
                        step's tokens split likewise, weights replicated; the whole step runs per
@@ -35,8 +36,8 @@ Invariants (checked by `check`):
     replicated at load by `kv_head_replication` (never split inside a head), and the strategy reports
     the factor;
   - `blocks` and `tokens` map to the same mesh axis (a device runs the tokens of the requests whose
-    blocks it owns), and not together with a split of the heads (data x tensor parallel on one 2-D
-    mesh is not built yet).
+    blocks it owns), and no weight axis maps to it (each data rank holds the whole model, or its
+    tensor-parallel share of it on the other axis: `data_and_tensor_parallel()` on a 2-D mesh).
 """
 
 from __future__ import annotations
@@ -136,10 +137,11 @@ class ShardingStrategy:
             if rules.get("blocks") != rules.get("tokens"):
                 raise ValueError("sharding rules must map 'blocks' and 'tokens' to the same mesh axis (data parallel: "
                                  "a device runs the tokens of the requests whose blocks it holds)")
-            split = [a for a in ("heads", "kv_heads", "mlp", "vocab", "embed", "layers") if self.axis_size(a, mesh) > 1]
+            split = [a for a in ("heads", "kv_heads", "mlp", "vocab", "embed", "layers")
+                     if rules.get(a) == rules["blocks"]]
             if split:
-                raise ValueError(f"data parallel (blocks split) together with {', '.join(map(repr, split))} split is "
-                                 "not supported yet: use one or the other")
+                raise ValueError(f"sharding rules map {', '.join(map(repr, split))} to the data axis "
+                                 f"{rules['blocks']!r} too: under data parallelism the weights are not split by rank")
         tp = self.axis_size("heads", mesh)
         if config.num_heads % tp:
             raise ValueError(f"the model's {config.num_heads} query heads do not divide over "
@@ -201,6 +203,13 @@ def data_parallel() -> ShardingStrategy:
     return ShardingStrategy(name="data_parallel", rules=(("blocks", "data"), ("tokens", "data")))
 
 
+def data_and_tensor_parallel() -> ShardingStrategy:
+    """Both on a 2-D mesh: the pool split by blocks over `data` and by KV heads over `model`; the
+    weights split Megatron-style over `model`, whole on each data rank."""
+    return ShardingStrategy(name="data_and_tensor_parallel",
+                            rules=tensor_parallel().rules + data_parallel().rules)
+
+
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None) -> Mesh:
     """A `Mesh` of shape (data, model) over the first data x tensor devices. Raises ValueError (one
     line) when more devices are asked for than exist."""
@@ -245,7 +254,16 @@ class ShardedBackend:
         return self.inner.storage_dtype(dtype)
 
     def _map(self, f, in_specs, out_specs):
-        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+        # inside the data-parallel step's shard_map (data axis manual), the heads' axis alone goes manual here
+        context = jax.sharding.get_abstract_mesh()
+        nested = not context.empty and bool(context.manual_axes)
+        axes = {a for a in (self.strategy.rule_map.get("kv_heads"),) if a is not None}
+        if nested:  # the data axis is already local here: the specs name the heads' axis alone
+            only = lambda spec: P(*(x if x in axes else None for x in spec))  # noqa: E731
+            in_specs, out_specs = (jax.tree.map(only, specs, is_leaf=lambda x: isinstance(x, P))
+                                   for specs in (in_specs, out_specs))
+        return jax.shard_map(f, mesh=context if nested else self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=axes if nested else frozenset(), check_vma=False)
 
     def write_kv(self, k_pool, v_pool, layer, k, v, slot_mapping):
         pool, kv = self.strategy.spec(POOL_AXES), self.strategy.spec(KV_AXES)

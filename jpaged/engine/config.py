@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from jpaged.core.scheduler import SchedulerConfig
 from jpaged.device.attention import BACKENDS
 from jpaged.device.kv_cache import parse_memory_size
-from jpaged.device.sharding import ShardingStrategy, data_parallel, make_mesh, tensor_parallel
+from jpaged.device.sharding import (ShardingStrategy, data_and_tensor_parallel, data_parallel, make_mesh,
+                                    tensor_parallel)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -37,8 +38,8 @@ class EngineConfig:
       `jpaged.device.sharding.tensor_parallel`); 1: one device.
     data_parallel_size: devices the KV pool is split over by blocks, each running the requests placed
       on its partition (`jpaged.device.sharding.data_parallel`, `jpaged.core.partitioned`); the pool's
-      blocks (num_blocks) are shared out evenly, each partition with its own null block. Not together
-      with tensor_parallel_size > 1 yet.
+      blocks (num_blocks) are shared out evenly, each partition with its own null block. Both above 1:
+      a 2-D mesh (`jpaged.device.sharding.data_and_tensor_parallel`).
     sharding / mesh: a `ShardingStrategy` and the `jax.sharding.Mesh` it lays the arrays out on
       (both, instead of tensor_parallel_size); the mesh must have every axis the strategy's rules name.
     Every field is checked on construction, before anything is loaded (the scheduler's settings
@@ -86,9 +87,6 @@ class EngineConfig:
         for name, size in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
             if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
-        if tp > 1 and dp > 1:
-            raise ValueError("tensor_parallel_size and data_parallel_size both above 1 (one 2-D mesh) is not "
-                             "supported yet: use one of them")
         if (self.sharding is None) != (self.mesh is None):
             raise ValueError("give sharding and mesh together (a ShardingStrategy and the jax.sharding.Mesh it uses)")
         if self.sharding is not None:
@@ -114,6 +112,8 @@ class EngineConfig:
         """(strategy, mesh) the runner lays the model and the pool out with, or (None, None): one device."""
         if self.sharding is not None:
             return self.sharding, self.mesh
+        if self.tensor_parallel_size > 1 and self.data_parallel_size > 1:
+            return data_and_tensor_parallel(), make_mesh(self.tensor_parallel_size, self.data_parallel_size)
         if self.tensor_parallel_size > 1:
             return tensor_parallel(), make_mesh(self.tensor_parallel_size)
         if self.data_parallel_size > 1:
