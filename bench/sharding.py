@@ -9,9 +9,10 @@ compilations over the run; and the decode step's median time, *indicative only*:
 share the same cores, so splitting a step over them cannot make it faster here.
 
 Strategies: one device; tensor parallel 3 (the pool split by KV heads: 1 of 3 per device);
-tensor parallel 3 with the embedding and LM head split by vocabulary; and a heads-only rule set on 9
+tensor parallel 3 with the embedding and LM head split by vocabulary; a heads-only rule set on 9
 devices (9 query heads, 3 KV heads: each KV head stored 3 times, the MLP replicated), to show the
-duplication. Data parallelism (the pool split by blocks) is not built yet.
+duplication; data parallel 2 (the pool split by blocks, weights replicated); and data parallel 2 x
+tensor parallel 3 on a 2-D mesh. Capacity per device counts each device's share of a block.
 
     python bench/sharding.py [--quick] [--out bench/results]   # writes sharding.json / .png (--quick: sharding_quick.*)
 
@@ -60,7 +61,9 @@ def strategies():
     return {"one device": {},
             "tensor parallel 3": {"tensor_parallel_size": 3},
             "tensor parallel 3, vocab split": {"sharding": tensor_parallel(vocab=True), "mesh": make_mesh(3)},
-            "heads only, 9 devices": {"sharding": heads_only, "mesh": make_mesh(9)}}
+            "heads only, 9 devices": {"sharding": heads_only, "mesh": make_mesh(9)},
+            "data parallel 2": {"data_parallel_size": 2},
+            "data parallel 2 x tensor parallel 3": {"data_parallel_size": 2, "tensor_parallel_size": 3}}
 
 
 def device_bytes(tree) -> int:
@@ -91,12 +94,12 @@ def run(num_requests: int, max_tokens: int, num_blocks: int, log=print) -> dict:
         reference = reference or tokens
         runner = llm.engine.runner
         pool_device = device_bytes(runner.cache)
-        block_device = pool_device // runner.num_blocks
+        block_device = pool_device * runner.num_partitions // runner.num_blocks  # a device's share of one of its blocks
         decode = [ex for (n, _), ex in runner.executables.items() if n == "decode_step"][-1]
         memory = decode.memory_analysis()
         results[name] = dict(
             num_devices=len(runner.devices), rules=dict(runner.sharding.rules) if runner.sharding else {},
-            kv_head_replication=runner.kv_head_replication,
+            kv_head_replication=runner.kv_head_replication, num_partitions=runner.num_partitions,
             pool_shard_shape=list(runner.cache.k.addressable_shards[0].data.shape),
             param_bytes_per_device=device_bytes(runner.params), pool_bytes_per_device=pool_device,
             kv_block_bytes_per_device=block_device, blocks_per_device_at_budget=BUDGET_BYTES // block_device,

@@ -156,7 +156,8 @@ def test_bad_sharding_configurations_are_refused(seen, case, message):
 def test_rules_give_the_megatron_partition_specs():
     from jax.sharding import PartitionSpec as P
 
-    from jpaged.device.sharding import PARAM_AXES, POOL_AXES, replicated, tensor_parallel
+    from jpaged.device.sharding import (PARAM_AXES, POOL_AXES, data_and_tensor_parallel, data_parallel, replicated,
+                                        tensor_parallel)
 
     tp = tensor_parallel()
     specs = {name: tp.spec(axes) for name, axes in PARAM_AXES.items()}
@@ -168,6 +169,9 @@ def test_rules_give_the_megatron_partition_specs():
     assert specs["embed"] == P(None, None) and tensor_parallel(vocab=True).spec(PARAM_AXES["embed"]) == P("model", None)
     assert tp.spec(POOL_AXES) == P(None, None, None, "model", None)  # the pool by KV heads
     assert replicated().spec(POOL_AXES) == P(None, None, None, None, None)
+    assert data_parallel().spec(POOL_AXES) == P(None, "data", None, None, None)  # the pool by blocks
+    both = data_and_tensor_parallel()
+    assert both.spec(POOL_AXES) == P(None, "data", None, "model", None) and both.spec(PARAM_AXES["wq"]) == specs["wq"]
 
 
 def test_engine_config_refuses_more_devices_than_exist():

@@ -23,11 +23,12 @@ Named strategies (rule sets):
                        by columns and down by rows, norms, embedding and LM head replicated; the pool
                        split by KV heads, so one block table serves every device (the paper's 4.6).
                        Two all-reduces per layer (after o and after down).
-  `data_and_tensor_parallel()`  both, on a 2-D mesh (data x model).
   `data_parallel()`    the pool split by blocks over the mesh axis `data` (each device owns a slice of
                        the blocks and runs the requests placed there: `jpaged.core.partitioned`), the
                        step's tokens split likewise, weights replicated; the whole step runs per
                        device under `shard_map`, with no collective but the logits' final gather.
+  `data_and_tensor_parallel()`  both, on a 2-D mesh (data x model): the step's `shard_map` makes the
+                       data axis manual, the attention backend's nested one the model axis.
 
 Invariants (checked by `check`):
   - `head_dim` and `block_slots` are never split: a head and a block are never cut;
