@@ -57,6 +57,7 @@ REAL_LOAD_MODEL = llm_engine.load_model
     (["hi", "--num-blocks", "100000000"], "at most"),
     (["hi", "--kv-cache-memory", "1000TB"], "lower num_blocks / --num-blocks or kv_cache_memory"),
     (["hi", "--attention-backend", "pallas"], "use attention_backend='auto' or 'xla' here"),
+    (["hi", "--tensor-parallel-size", "64"], "64 devices asked for"),
     (["hi", "--n", "300", "--temperature", "0.5"], "max_num_seqs=256"),
 ])
 def test_bad_input_exits_2_with_one_line(run_cli, argv, message):

@@ -17,6 +17,11 @@ mutated), the queues, and the lifecycle of every group it holds: status, timesta
 sequences a group holds (`fork_seq`, `set_beams`) and each sequence's `finish_reason` (`finish_seq`,
 `abort`, `fail`, and "length" for a group that cannot grow alone). It hands the device side `Row`s
 (numpy-friendly lists) and the `DeviceOps` a step implies.
+
+Data parallel (a manager with `num_partitions` > 1, `jpaged.core.partitioned`): each new group is
+placed on the partition (data rank) with the most free blocks and keeps it for life, preemption
+included (`group.rank`); blocks are counted per partition, and a group short of blocks preempts
+the latest arrival of its own partition. With one partition every rank is 0 and nothing changes.
 """
 
 from __future__ import annotations
@@ -208,10 +213,34 @@ class Scheduler:
     def _num_live_running(self) -> int:
         return sum(len(g.live_seqs) for g in self.running)
 
+    # ---- data-parallel partitions (one partition: rank 0, the whole pool) ----------------------
+
+    @property
+    def num_partitions(self) -> int:
+        return getattr(self.block_manager, "num_partitions", 1)
+
+    def _rank(self, group: SequenceGroup) -> int:
+        return group.rank or 0
+
+    def _free_in(self, rank: int, bm: Optional[KVCacheManager] = None) -> int:
+        bm = bm or self.block_manager
+        return bm.num_free_blocks_in(rank) if self.num_partitions > 1 else bm.num_free_blocks
+
+    def _on_rank(self, rank: int) -> dict:
+        """The keyword that puts an allocation on a partition (none with one partition)."""
+        return {"rank": rank} if self.num_partitions > 1 else {}
+
+    def _place(self, group: SequenceGroup) -> int:
+        """A group's partition: the one it was placed on, else the one with the most free blocks."""
+        if group.rank is None and self.num_partitions > 1:
+            group.rank = max(range(self.num_partitions), key=lambda r: (self._free_in(r), -r))
+        return self._rank(group)
+
     def _schedule_prefill(self) -> SchedulerOutput:
         rows, row_seqs, groups = [], [], []
         num_tokens, num_seqs = 0, self._num_live_running()
-        watermark = math.ceil(self.config.watermark * (self.block_manager.num_blocks - 1))
+        partition_blocks = self.block_manager.num_blocks // self.num_partitions
+        watermark = math.ceil(self.config.watermark * (partition_blocks - 1))
         while self.waiting:
             group = self.waiting[0]
             seqs = group.live_seqs
@@ -222,14 +251,16 @@ class Scheduler:
             # prefill rows are packed (no per-row padding): the budget counts the tokens computed
             if groups and num_tokens + sum(s.num_tokens for s in to_prefill) > self.config.max_num_batched_tokens:
                 break
-            idle = not (self.running or groups)
+            rank = self._place(group)
+            idle = not any(self._rank(g) == rank for g in self.running + groups)
             if not self.block_manager.can_allocate([s.token_ids for s in to_prefill],
-                                                   reserve=0 if idle else watermark):
+                                                   reserve=0 if idle else watermark, **self._on_rank(rank)):
                 break
             self.waiting.popleft()
             cached = []
             for seq in to_prefill:
-                self.block_manager, num_cached = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+                self.block_manager, num_cached = self.block_manager.allocate(seq.seq_id, seq.token_ids,
+                                                                             **self._on_rank(rank))
                 cached.append(num_cached)
             if fresh:
                 for seq in seqs[1:]:
@@ -251,17 +282,19 @@ class Scheduler:
         ops, preempted, finished = DeviceOps(), [], []
         running = sorted(self.running, key=lambda g: g.arrival_time)
         scheduled: list[SequenceGroup] = []
-        free = self.block_manager.num_free_blocks
+        free = [self._free_in(r) for r in range(self.num_partitions)]
         while running:
             group = running.pop(0)
+            rank = self._rank(group)
             need = self._append_demand(group)
-            while need > free and running:
-                victim = running.pop()  # the latest arrival
+            while need > free[rank] and any(self._rank(g) == rank for g in running):
+                victim = next(g for g in reversed(running) if self._rank(g) == rank)  # the latest arrival
+                running.remove(victim)
                 ops += self._preempt(victim)
                 preempted.append(victim)
-                free = self.block_manager.num_free_blocks - self._demand(scheduled)
-            if need > free:
-                if scheduled:
+                free[rank] = self._free_in(rank) - self._demand([g for g in scheduled if self._rank(g) == rank])
+            if need > free[rank]:
+                if any(self._rank(g) == rank for g in scheduled):
                     ops += self._preempt(group)
                     preempted.append(group)
                 else:
@@ -274,7 +307,7 @@ class Scheduler:
                     finished.append(group)
                 continue
             scheduled.append(group)
-            free -= need
+            free[rank] -= need
         if not preempted:
             resumed, swap_ops = self._swap_in(free)
             scheduled += resumed
@@ -290,21 +323,24 @@ class Scheduler:
                 row_seqs.append([seq])
         return SchedulerOutput(True, rows, row_seqs, scheduled, ops, preempted, finished)
 
-    def _swap_in(self, free: int) -> tuple[list[SequenceGroup], DeviceOps]:
-        """Brings swapped groups back (FCFS) while their blocks plus one more token each fit in `free`."""
+    def _swap_in(self, free: list[int]) -> tuple[list[SequenceGroup], DeviceOps]:
+        """Brings swapped groups back (FCFS) while their blocks plus one more token each fit in their
+        partition's `free[rank]`."""
         resumed, ops = [], DeviceOps()
         num_seqs = self._num_live_running()
         for group in sorted(self.swapped, key=lambda g: g.arrival_time):
             ids = [s.seq_id for s in group.live_seqs]
             if num_seqs + len(ids) > self.config.max_num_seqs or not self.block_manager.can_swap_in(ids):
                 break
-            before = self.block_manager.num_free_blocks
+            rank = self._rank(group)
+            before = self._free_in(rank)
             candidate, swap_ops = self.block_manager.swap_in(ids)
             need = self._append_demand(group, candidate)
-            if candidate.num_free_blocks - need < 0 or before - candidate.num_free_blocks + need > free:
+            after = self._free_in(rank, candidate)
+            if after - need < 0 or before - after + need > free[rank]:
                 break
             self.block_manager = candidate
-            free -= before - candidate.num_free_blocks + need
+            free[rank] -= before - after + need
             ops += swap_ops
             self.swapped.remove(group)
             self.running.append(group)

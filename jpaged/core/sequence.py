@@ -94,6 +94,7 @@ class SequenceGroup:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
     error: Optional[str] = None  # why a step that ran it failed (its sequences then finish with "error")
+    rank: Optional[int] = None  # data parallel: the partition of the pool it was placed on (kept when preempted)
 
     @property
     def is_finished(self) -> bool:

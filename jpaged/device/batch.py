@@ -169,3 +169,44 @@ def pack_rows(rows: Seq, *, block_size: int, q_tile: int, k_tile: int) -> ModelI
                          token_slot=token_slot)
     return ModelInputs(token_ids=token_ids, positions=positions, slot_mapping=slots, logits_index=logits_index,
                        block_tables=block_tables, context_lens=context_lens, plan=plan)
+
+
+def stack_inputs(packed: Seq[ModelInputs]) -> ModelInputs:
+    """Several `ModelInputs` (one per data-parallel rank) as one whose every leaf has a leading
+    [len(packed)] axis: each padded at its end to the largest shape, as `pack_rows` pads (0; query
+    positions -1, which see nothing; pairs joining the last query tile, with context length 0, so
+    `pair_q` stays sorted and they weigh nothing). A decode step's N == B holds after padding."""
+    num_q = max(p.plan.q_index.shape[0] for p in packed)
+
+    def stack(path, *leaves):
+        name = getattr(path[-1], "name", None)
+        shape = tuple(max(dims) for dims in zip(*(np.shape(x) for x in leaves)))
+        fill = -1 if name == "q_positions" else num_q - 1 if name == "pair_q" else 0
+        out = np.full((len(leaves),) + shape, fill, np.int32)
+        for i, x in enumerate(leaves):
+            out[(i,) + tuple(slice(0, d) for d in np.shape(x))] = x
+        return out
+
+    return jax.tree_util.tree_map_with_path(stack, packed[0], *packed[1:])
+
+
+@struct.dataclass
+class DataParallelInputs:
+    """A data-parallel step's inputs: each rank's rows packed apart, in the rank's local block ids,
+    and stacked (`stack_inputs`: every leaf of `inputs` has a leading [num_ranks] axis).
+
+    row_index i32[R]  where row i of the step (in the scheduler's order) finds its logits among the
+                      ranks' rows flattened, rank-major (padding: 0)
+    """
+
+    inputs: ModelInputs
+    row_index: jax.Array
+
+    @property
+    def shape_key(self) -> tuple:
+        return tuple(x.shape for x in jax.tree.leaves(self))
+
+    @property
+    def token_ids(self):
+        """Every rank's packed tokens, end to end (their count is what the step computed, padding included)."""
+        return np.asarray(self.inputs.token_ids).reshape(-1)

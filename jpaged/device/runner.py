@@ -7,6 +7,19 @@ is compiled ahead of time once (`jit(...).lower(...).compile()`) and its new exe
 untimed (every executable here is idempotent: a step rewrites the same K/V into the same slots),
 so compilations are counted and their time, first run included, kept out of timings. Each timed
 run is logged as a `DeviceCall` (`take_calls()`), which the engine hands to its step observers.
+
+Sharding (`jpaged.device.sharding`): given a `ShardingStrategy` and a `Mesh`, the runner places the
+parameters and the pool with the strategy's shardings, compiles every executable with them as
+in/out shardings (the pool donated, its output sharding its input's), runs the attention backend
+under `shard_map` on each device's heads, and returns logits replicated. It is the one owner of
+the device state: the mesh, the placed parameters, the pool and the executables.
+
+Data parallel (the pool split by blocks over `num_partitions` ranks): rank r owns global blocks
+[r * P, (r + 1) * P). The host hands over rows in global ids; `make_inputs` packs each rank's rows
+apart in local ids (global - r * P) and stacks them, and the whole step runs per device under
+`shard_map` (its own tokens, its own blocks, replicated weights: no collective), the logits
+gathered back into the rows' order at the end. Copy-on-write pairs go to their rank in local ids;
+swaps address the global pool.
 """
 
 from __future__ import annotations
@@ -21,12 +34,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.device.batch import ModelInputs, bucket, pack_rows, row_bucket
+from jpaged.device.batch import DataParallelInputs, ModelInputs, bucket, pack_rows, row_bucket, stack_inputs
 from jpaged.device.config import ModelConfig
 from jpaged.device.kv_cache import KVCache
 from jpaged.device.model import compute_logits, forward
 from jpaged.device.params import LlamaParams
 from jpaged.device.sampler import SamplingInputs, sample
+from jpaged.device.sharding import ShardedBackend, ShardingStrategy, replicate_kv_heads
+
+P = jax.sharding.PartitionSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +87,42 @@ def _step(params, cache, inputs, *, config, backend):
     return cache, compute_logits(params, hidden[inputs.logits_index])
 
 
+def _data_parallel_step(params, cache, inputs, row_index, *, config, backend, mesh, pool_spec, axis):
+    """`_step` on every data rank's own rows and pool shard (`inputs`: stacked per rank); the logits of
+    all ranks' rows, flattened rank-major, then picked in the step's row order (`row_index`). Only the
+    data axis is manual: a tensor-parallel split on the other axis stays with the compiler (and the
+    attention backend's own `shard_map` over it)."""
+    def local(params, cache, inputs):
+        cache, logits = _step(params, cache, jax.tree.map(lambda x: x[0], inputs), config=config, backend=backend)
+        return cache, logits[None]
+
+    pool = KVCache(k=pool_spec, v=pool_spec)
+    params_spec = jax.tree.map(lambda _: P(), params)
+    cache, logits = jax.shard_map(local, mesh=mesh, in_specs=(params_spec, pool, P(axis)), out_specs=(pool, P(axis)),
+                                  axis_names={axis}, check_vma=False)(params, cache, inputs)
+    return cache, logits.reshape(-1, logits.shape[-1])[row_index]
+
+
+def _data_parallel_copy(cache, pairs, *, backend, mesh, pool_spec, axis):
+    """Copy-on-write per data rank: `pairs` i32[ranks, P, 2] in each rank's local block ids."""
+    k, v = jax.shard_map(lambda k, v, pairs: backend.copy_blocks(k, v, pairs[0]), mesh=mesh,
+                         in_specs=(pool_spec, pool_spec, P(axis)), out_specs=(pool_spec, pool_spec),
+                         axis_names={axis}, check_vma=False)(cache.k, cache.v, pairs)
+    return KVCache(k=k, v=v)
+
+
+class _LocalRow:
+    """A row in its data rank's local block ids (the fields `pack_rows` reads)."""
+
+    __slots__ = ("token_ids", "start_position", "slots", "block_table")
+
+    def __init__(self, token_ids, start_position, slots, block_table):
+        self.token_ids, self.start_position, self.slots, self.block_table = token_ids, start_position, slots, block_table
+
+
+_IDLE_ROW = _LocalRow([0], 0, [0], [0])  # a rank with no row this step computes one token into its null block
+
+
 def _copy_blocks(cache, pairs, *, backend):
     k, v = backend.copy_blocks(cache.k, cache.v, pairs)
     return KVCache(k=k, v=v)
@@ -94,13 +146,35 @@ class ModelRunner:
     mostly padding, gathered all the same). The defaults were the fastest measured on the XLA CPU
     path (`bench/README.md`). `num_compilations` counts every executable built (steps, sampler,
     block ops); `num_blocks` and `num_cpu_blocks` are the sizes of the device and CPU pools.
+
+    `sharding` and `mesh` (both or neither): lay the parameters and the pool out over the mesh's
+    devices (see the module docstring). With fewer KV heads than the tensor-parallel size, each KV
+    head is stored `kv_head_replication` times (in wk, wv and the pool: `pool_config`).
     """
 
     def __init__(self, config: ModelConfig, params: LlamaParams, *, num_blocks: int, block_size: int,
                  dtype=jnp.float32, backend, num_cpu_blocks: int = 0,
-                 prefill_q_tile: int = 64, prefill_key_tile: int = 128, decode_key_tile: int = 64):
+                 prefill_q_tile: int = 64, prefill_key_tile: int = 128, decode_key_tile: int = 64,
+                 sharding: ShardingStrategy | None = None, mesh: jax.sharding.Mesh | None = None):
+        if (sharding is None) != (mesh is None):
+            raise ValueError("give a ModelRunner both sharding and mesh, or neither")
+        if sharding is not None:
+            sharding.check(mesh, config)
+        self.sharding, self.mesh = sharding, mesh
+        self.num_partitions = sharding.axis_size("blocks", mesh) if sharding is not None else 1
+        if num_blocks % self.num_partitions or num_blocks // self.num_partitions < 2:
+            raise ValueError(f"{num_blocks} blocks do not split into {self.num_partitions} data-parallel partitions "
+                             "of at least 2 blocks each (each has its null block)")
+        self.kv_head_replication = sharding.kv_head_replication(mesh, config) if sharding is not None else 1
+        # the pool's geometry: the model's, with each KV head stored kv_head_replication times
+        self.pool_config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * self.kv_head_replication)
         if params.lm_head is None:  # tied embeddings: keep a [hidden, vocab] copy so the LM head is a plain
             params = params.replace(lm_head=jnp.asarray(params.embed.T))  # matmul (no transpose per step)
+        if sharding is not None:
+            params = replicate_kv_heads(params, self.kv_head_replication)
+            params = jax.device_put(params, sharding.param_shardings(mesh, params))
+            if sharding.axis_size("kv_heads", mesh) > 1:  # tensor parallel: attention per device on its heads
+                backend = ShardedBackend(backend, mesh, sharding)
         self.config, self.params, self.backend = config, params, backend
         self.block_size = block_size
         self.prefill_q_tile = prefill_q_tile
@@ -108,23 +182,67 @@ class ModelRunner:
         self.decode_k_tile = block_size * max(1, decode_key_tile // block_size)
         self.kv_dtype = jnp.dtype(dtype)  # the pool's dtype (stored as `backend.storage_dtype` says)
         storage = backend.storage_dtype(dtype)
-        self.cache = KVCache.create(config, num_blocks, block_size, storage)
-        cpu_shape = (config.num_layers, num_cpu_blocks, block_size, config.num_kv_heads, config.head_dim)
+        pool_shape = (config.num_layers, num_blocks, block_size, self.pool_config.num_kv_heads, config.head_dim)
+        self.cache = self._new_pool(pool_shape, storage)
+        cpu_shape = (config.num_layers, num_cpu_blocks, block_size, self.pool_config.num_kv_heads, config.head_dim)
         self.cpu_k = np.zeros(cpu_shape, np.dtype(storage))
         self.cpu_v = np.zeros(cpu_shape, np.dtype(storage))
         step = functools.partial(_step, config=config, backend=backend)
-        self._jits = {
-            "prefill_step": jax.jit(step, donate_argnums=(1,)),
-            "decode_step": jax.jit(step, donate_argnums=(1,)),
-            "copy_blocks": jax.jit(functools.partial(_copy_blocks, backend=backend), donate_argnums=(0,)),
-            "read_blocks": jax.jit(_read_blocks),
-            "write_blocks": jax.jit(_write_blocks, donate_argnums=(0,)),
-            "sample": sample,
-        }
+        copy = functools.partial(_copy_blocks, backend=backend)
+        if sharding is None:
+            self._jits = {
+                "prefill_step": jax.jit(step, donate_argnums=(1,)),
+                "decode_step": jax.jit(step, donate_argnums=(1,)),
+                "copy_blocks": jax.jit(copy, donate_argnums=(0,)),
+                "read_blocks": jax.jit(_read_blocks),
+                "write_blocks": jax.jit(_write_blocks, donate_argnums=(0,)),
+            }
+        else:  # every argument and result placed as the strategy says; the pool's output sharding is its input's
+            ps, rep = sharding.param_shardings(mesh, params), sharding.replicated(mesh)
+            block = sharding.pool_sharding(mesh)
+            pool = KVCache(k=block, v=block)
+            if self.num_partitions > 1:
+                axis = sharding.rule_map["blocks"]
+                # the manual (data) axis alone in the specs: the pool by blocks
+                specs = dict(mesh=mesh, pool_spec=P(*(a if a == axis else None for a in block.spec)), axis=axis)
+                step = functools.partial(_data_parallel_step, config=config, backend=backend, **specs)
+                copy = functools.partial(_data_parallel_copy, backend=backend, **specs)
+                by_rank = jax.sharding.NamedSharding(mesh, P(axis))
+                step_in, copy_in = (ps, pool, by_rank, rep), (pool, by_rank)
+            else:
+                step_in, copy_in = (ps, pool, rep), (pool, rep)
+            # blocks moved by a swap: as the pool, but any number of them (never split by blocks)
+            moved = jax.sharding.NamedSharding(mesh, P(*(None if i == 1 else a for i, a in enumerate(block.spec))))
+            self._jits = {
+                "prefill_step": jax.jit(step, donate_argnums=(1,), in_shardings=step_in, out_shardings=(pool, rep)),
+                "decode_step": jax.jit(step, donate_argnums=(1,), in_shardings=step_in, out_shardings=(pool, rep)),
+                "copy_blocks": jax.jit(copy, donate_argnums=(0,), in_shardings=copy_in, out_shardings=pool),
+                "read_blocks": jax.jit(_read_blocks, in_shardings=(pool, rep), out_shardings=(moved, moved)),
+                "write_blocks": jax.jit(_write_blocks, donate_argnums=(0,), in_shardings=(pool, rep, moved, moved),
+                                        out_shardings=pool),
+            }
+        self._jits["sample"] = sample
         self._executables: dict = {}
         self._calls: list[DeviceCall] = []
         self.compile_seconds = 0.0  # building executables, their untimed first runs included
         self.device_seconds = 0.0  # time inside compiled executables, synchronised (the rest of a step is host time)
+
+    def _new_pool(self, shape, dtype, k=None, v=None) -> KVCache:
+        """A pool of `shape` (zeros, or the host arrays `k`, `v`), placed as the strategy says."""
+        if self.sharding is None:
+            if k is None:
+                return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+            return KVCache(k=jnp.asarray(k), v=jnp.asarray(v))
+        block = self.sharding.pool_sharding(self.mesh)
+        if k is None:  # built in place, each device its own shard (never the whole pool on one device)
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=block)
+            return KVCache(k=zeros(), v=zeros())
+        return KVCache(k=jax.device_put(k, block), v=jax.device_put(v, block))
+
+    @property
+    def devices(self) -> tuple:
+        """The devices the runner's state lives on."""
+        return tuple(self.mesh.devices.flat) if self.mesh is not None else (self.cache.k.devices().pop(),)
 
     @property
     def num_blocks(self) -> int:
@@ -151,7 +269,7 @@ class ModelRunner:
     def reset_pool(self) -> None:
         """A new, zeroed KV pool of the same shape (after `pool_lost`)."""
         k = self.cache.k
-        self.cache = KVCache(k=jnp.zeros(k.shape, k.dtype), v=jnp.zeros(k.shape, k.dtype))
+        self.cache = self._new_pool(k.shape, k.dtype)
 
     def pool_state(self) -> dict:
         """The KV pools' contents (device blocks `k`, `v`; CPU swap blocks `cpu_k`, `cpu_v`), each
@@ -171,8 +289,8 @@ class ModelRunner:
                 array = array.view(have.dtype)
             return array
 
-        self.cache = KVCache(k=jnp.asarray(like(state["k"], self.cache.k)),
-                             v=jnp.asarray(like(state["v"], self.cache.v)))
+        self.cache = self._new_pool(self.cache.k.shape, self.cache.k.dtype,
+                                    like(state["k"], self.cache.k), like(state["v"], self.cache.v))
         self.cpu_k, self.cpu_v = like(state["cpu_k"], self.cpu_k), like(state["cpu_v"], self.cpu_v)
 
     def take_calls(self) -> tuple[DeviceCall, ...]:
@@ -207,14 +325,37 @@ class ModelRunner:
 
     # ---- model steps -------------------------------------------------------------------------
 
-    def make_inputs(self, rows: Seq, *, decode: bool) -> ModelInputs:
+    def make_inputs(self, rows: Seq, *, decode: bool) -> ModelInputs | DataParallelInputs:
         """Packs `rows` (see `jpaged.device.batch.pack_rows`; the scheduler's `Row`s): decode rows are
-        one token each, prefill rows any number."""
+        one token each, prefill rows any number. Data parallel: each rank's rows apart, stacked."""
         if decode and any(len(r.token_ids) != 1 for r in rows):
             raise ValueError("a decode row computes exactly one token")
+        if self.num_partitions > 1:
+            return self._data_parallel_inputs(rows, decode=decode)
+        return self._pack(rows, decode=decode)
+
+    def _pack(self, rows: Seq, *, decode: bool) -> ModelInputs:
         if decode:
             return pack_rows(rows, block_size=self.block_size, q_tile=1, k_tile=self.decode_k_tile)
         return pack_rows(rows, block_size=self.block_size, q_tile=self.prefill_q_tile, k_tile=self.prefill_k_tile)
+
+    def _data_parallel_inputs(self, rows: Seq, *, decode: bool) -> DataParallelInputs:
+        per, bs = self.num_blocks // self.num_partitions, self.block_size
+        by_rank: list[list] = [[] for _ in range(self.num_partitions)]
+        where = []
+        for r in rows:
+            rank = r.block_table[0] // per
+            base = rank * per
+            table = [b - base for b in r.block_table]
+            if not all(0 < b < per for b in table):
+                raise ValueError(f"a row's blocks {list(r.block_table)} are not all in data-parallel partition {rank}")
+            where.append((rank, len(by_rank[rank])))
+            by_rank[rank].append(_LocalRow(r.token_ids, r.start_position, [s - base * bs for s in r.slots], table))
+        inputs = stack_inputs([self._pack(rank_rows or [_IDLE_ROW], decode=decode) for rank_rows in by_rank])
+        width = inputs.logits_index.shape[1]
+        row_index = np.zeros(row_bucket(len(rows)), np.int32)
+        row_index[:len(rows)] = [rank * width + j for rank, j in where]
+        return DataParallelInputs(inputs=inputs, row_index=row_index)
 
     def execute(self, rows: Seq, *, decode: bool) -> jax.Array:
         """Runs one step over `rows`; returns the logits f32[padded rows, vocab] (on the device)."""
@@ -223,7 +364,10 @@ class ModelRunner:
     def run_step(self, inputs: ModelInputs, *, decode: bool) -> jax.Array:
         """Runs one step over packed `inputs` (`make_inputs`); returns the logits as `execute`."""
         name = "decode_step" if decode else "prefill_step"
-        self.cache, logits = self._run(name, self.params, self.cache, inputs)
+        if isinstance(inputs, DataParallelInputs):
+            self.cache, logits = self._run(name, self.params, self.cache, inputs.inputs, inputs.row_index)
+        else:
+            self.cache, logits = self._run(name, self.params, self.cache, inputs)
         return logits
 
     def sample(self, logits: jax.Array, rows: Seq[SampleRow], num_top: int) -> dict[str, np.ndarray]:
@@ -253,8 +397,17 @@ class ModelRunner:
         """All of a step's copy-on-write copies in one call (padded with (0, 0) null copies)."""
         if not pairs:
             return
-        padded = np.zeros((bucket(len(pairs)), 2), np.int32)
-        padded[:len(pairs)] = pairs
+        if self.num_partitions > 1:  # each rank its own pairs, in local ids (a pair never crosses ranks)
+            per = self.num_blocks // self.num_partitions
+            by_rank: list[list] = [[] for _ in range(self.num_partitions)]
+            for src, dst in pairs:
+                by_rank[src // per].append((src % per, dst % per))
+            padded = np.zeros((self.num_partitions, bucket(max(map(len, by_rank))), 2), np.int32)
+            for rank, rank_pairs in enumerate(by_rank):
+                padded[rank, :len(rank_pairs)] = rank_pairs or np.zeros((0, 2))
+        else:
+            padded = np.zeros((bucket(len(pairs)), 2), np.int32)
+            padded[:len(pairs)] = pairs
         self.cache = self._run("copy_blocks", self.cache, padded)
 
     def swap_out(self, mapping: Seq[tuple[int, int]]) -> None:

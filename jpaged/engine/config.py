@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 
 from jpaged.core.scheduler import SchedulerConfig
 from jpaged.device.attention import BACKENDS
 from jpaged.device.kv_cache import parse_memory_size
+from jpaged.device.sharding import (ShardingStrategy, data_and_tensor_parallel, data_parallel, make_mesh,
+                                    tensor_parallel)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -32,6 +35,14 @@ class EngineConfig:
       against preempting right after admission.
     enable_prefix_caching: reuse the KV blocks of identical prompt prefixes.
     seed: draws the seeds of requests that give none.
+    tensor_parallel_size: devices the model and the KV pool are split over by heads (Megatron-style,
+      `jpaged.device.sharding.tensor_parallel`); 1: one device.
+    data_parallel_size: devices the KV pool is split over by blocks, each running the requests placed
+      on its partition (`jpaged.device.sharding.data_parallel`, `jpaged.core.partitioned`); the pool's
+      blocks (num_blocks) are shared out evenly, each partition with its own null block. Both above 1:
+      a 2-D mesh (`jpaged.device.sharding.data_and_tensor_parallel`).
+    sharding / mesh: a `ShardingStrategy` and the `jax.sharding.Mesh` it lays the arrays out on
+      (both, instead of tensor_parallel_size); the mesh must have every axis the strategy's rules name.
     Every field is checked on construction, before anything is loaded (the scheduler's settings
     by `jpaged.core.scheduler.SchedulerConfig`).
     """
@@ -51,6 +62,10 @@ class EngineConfig:
     watermark: float = 0.01
     enable_prefix_caching: bool = False
     seed: int = 0
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    sharding: Optional[ShardingStrategy] = None
+    mesh: Optional[jax.sharding.Mesh] = None
 
     def __post_init__(self):
         b = self.block_size
@@ -69,9 +84,42 @@ class EngineConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
         if self.max_model_len is not None and not (isinstance(self.max_model_len, int) and self.max_model_len >= 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        for name, size in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
+            if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+        if (self.sharding is None) != (self.mesh is None):
+            raise ValueError("give sharding and mesh together (a ShardingStrategy and the jax.sharding.Mesh it uses)")
+        if self.sharding is not None:
+            if not isinstance(self.sharding, ShardingStrategy):
+                raise ValueError(f"sharding must be a jpaged.device.sharding.ShardingStrategy, "
+                                 f"got {type(self.sharding).__name__}")
+            if not isinstance(self.mesh, jax.sharding.Mesh):
+                raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
+            if tp != 1 or dp != 1:
+                raise ValueError("give tensor_parallel_size / data_parallel_size or sharding and mesh, not both")
+            missing = [a for a in self.sharding.mesh_axes if a not in self.mesh.axis_names]
+            if missing:
+                raise ValueError(f"the mesh (axes {', '.join(map(repr, self.mesh.axis_names))}) lacks the axis "
+                                 f"{', '.join(map(repr, missing))} that sharding strategy "
+                                 f"{self.sharding.name!r} names")
+        elif tp * dp > jax.device_count():
+            make_mesh(tp, dp)  # raises the one-line error: more devices asked for than exist
         # the scheduler's settings, checked now, before any model is loaded
         SchedulerConfig(max_num_seqs=self.max_num_seqs, preemption_mode=self.preemption_mode, watermark=self.watermark,
                         max_num_batched_tokens=1 if self.max_num_batched_tokens is None else self.max_num_batched_tokens)
+
+    def layout(self) -> tuple[Optional[ShardingStrategy], Optional[jax.sharding.Mesh]]:
+        """(strategy, mesh) the runner lays the model and the pool out with, or (None, None): one device."""
+        if self.sharding is not None:
+            return self.sharding, self.mesh
+        if self.tensor_parallel_size > 1 and self.data_parallel_size > 1:
+            return data_and_tensor_parallel(), make_mesh(self.tensor_parallel_size, self.data_parallel_size)
+        if self.tensor_parallel_size > 1:
+            return tensor_parallel(), make_mesh(self.tensor_parallel_size)
+        if self.data_parallel_size > 1:
+            return data_parallel(), make_mesh(1, self.data_parallel_size)
+        return None, None
 
     @property
     def jnp_dtype(self):

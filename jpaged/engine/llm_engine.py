@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import pathlib
@@ -29,6 +30,7 @@ import numpy as np
 
 from jpaged.core import beam_search
 from jpaged.core.block_manager import BlockManager
+from jpaged.core.partitioned import PartitionedBlockManager
 from jpaged.core.detokenizer import append_text, find_stop, stream_safe_length
 from jpaged.core.kv_cache_manager import (ForkingKVCacheManager, KVCacheManager, KVCacheSpec, blocks_for,
                                           kv_utilization)
@@ -75,6 +77,16 @@ class LLMEngine:
         backend = None if runner is not None else get_backend(config.attention_backend, interpret=config.interpret)
         # the pool is sized and checked against the memory there is before any weight is read
         model_config = loaded.config if loaded is not None else read_config(config.model)
+        sharding, mesh = (None, None) if runner is not None else config.layout()
+        if sharding is not None:
+            sharding.check(mesh, model_config)  # heads that do not divide: said before any weight is read
+        # the pool's geometry: with fewer KV heads than tensor-parallel devices each is stored several times,
+        # and kv_cache_memory / swap_space (the whole pool's, over all devices) pay for every copy
+        replication = sharding.kv_head_replication(mesh, model_config) if sharding is not None else 1
+        # data parallel: the pool (and the swap pool) shared out evenly between the ranks' partitions
+        self.num_partitions = (runner.num_partitions if runner is not None
+                               else sharding.axis_size("blocks", mesh) if sharding is not None else 1)
+        pool_config = dataclasses.replace(model_config, num_kv_heads=model_config.num_kv_heads * replication)
         if params is not None:
             if runner is not None:
                 raise ValueError("give params or runner, not both: a runner serves the parameters it holds")
@@ -82,19 +94,29 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         num_blocks = config.num_blocks or num_blocks_for_memory(
-            model_config, config.block_size, dtype, parse_memory_size(config.kv_cache_memory))
+            pool_config, config.block_size, dtype, parse_memory_size(config.kv_cache_memory))
+        parts = self.num_partitions
+        if parts > 1:
+            if config.num_blocks is not None and (num_blocks % parts or num_blocks // parts < 2):
+                raise ValueError(f"num_blocks={num_blocks} does not split into {parts} data-parallel partitions of "
+                                 f"at least 2 blocks each (each has its null block): give a multiple of {parts}")
+            if kv_cache_manager is not None:
+                raise ValueError("data parallel builds its own partitioned KV cache manager: give no kv_cache_manager")
+            num_blocks = num_blocks // parts * parts
         if num_blocks < 2:
             raise ValueError(f"a KV cache of {config.kv_cache_memory} holds {num_blocks} blocks of "
                              f"{config.block_size} tokens: give it more memory (kv_cache_memory) or set num_blocks")
-        num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block(model_config, config.block_size, dtype))
+        num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block(pool_config, config.block_size, dtype))
         if config.preemption_mode == "swap":
             num_cpu_blocks = min(max(num_cpu_blocks, 1), num_blocks)  # never needs more than the device pool
+            num_cpu_blocks = max(num_cpu_blocks, parts)
+        num_cpu_blocks = num_cpu_blocks // parts * parts
         if runner is None:  # a new pool, and the parameters still to be placed (the runner's tied LM head copy too)
             itemsize = np.dtype(self.param_dtype).itemsize
             params_bytes = itemsize * ((num_params(model_config) if loaded is None else 0)
                                        + (model_config.vocab_size * model_config.hidden_size
                                           if model_config.tie_word_embeddings else 0))
-            check_pool_fits(model_config, config.block_size, dtype, num_blocks, num_cpu_blocks, params_bytes)
+            check_pool_fits(pool_config, config.block_size, dtype, num_blocks, num_cpu_blocks, params_bytes)
         if loaded is not None and loaded.params.embed.dtype != self.param_dtype:
             loaded = dataclasses.replace(loaded, params=cast_params(loaded.params, self.param_dtype))
         self.model = loaded if loaded is not None else load_model(config.model, dtype=self.param_dtype)
@@ -111,11 +133,13 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens or max(self.max_model_len, 2048),
             preemption_mode=config.preemption_mode, watermark=config.watermark)
         factory = kv_cache_manager or BlockManager.from_spec
+        if parts > 1:
+            factory = functools.partial(PartitionedBlockManager.from_spec, num_partitions=parts)
         self.scheduler = Scheduler(factory(self.kv_cache_spec), scheduler_config)
         if runner is None:
             runner = ModelRunner(model_config, self.model.params, num_blocks=num_blocks,
                                  block_size=config.block_size, dtype=dtype, num_cpu_blocks=num_cpu_blocks,
-                                 backend=backend)
+                                 backend=backend, sharding=sharding, mesh=mesh)
         else:
             _check_runner(runner, model_config, self.kv_cache_spec, dtype)
         self.runner = runner
@@ -207,9 +231,11 @@ class LLMEngine:
                              f"shorten it to at most {self.max_model_len - 1} tokens")
         bs = self.config.block_size
         need = blocks_for(n, bs)
-        if need > self.num_blocks - 1:
+        usable = self.num_blocks // self.num_partitions - 1  # a request lives in one partition
+        if need > usable:
             raise ValueError(f"prompt of {n} tokens needs {need} KV blocks of {bs} tokens but the pool has "
-                             f"{self.num_blocks - 1}: raise num_blocks / kv_cache_memory or shorten the prompt")
+                             f"{usable}{' per data-parallel partition' if self.num_partitions > 1 else ''}: "
+                             "raise num_blocks / kv_cache_memory or shorten the prompt")
 
     def add_request(self, request_id: str, prompt, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None) -> None:
@@ -479,7 +505,7 @@ class LLMEngine:
         blocks in use (a block shared by several tables counts once; a manager that reserves blocks
         ahead counts them as in use)."""
         bm = self.scheduler.block_manager
-        self.peak_used_blocks = max(self.peak_used_blocks, bm.num_blocks - 1 - bm.num_free_blocks)
+        self.peak_used_blocks = max(self.peak_used_blocks, bm.num_blocks - self.num_partitions - bm.num_free_blocks)
         utilization = kv_utilization(bm)
         if utilization is not None:
             self._utilization_sum += utilization
@@ -498,6 +524,7 @@ class LLMEngine:
             "num_prefilled_tokens": s.num_prompt_tokens - s.num_cached_prompt_tokens,
             "num_steps": self.num_steps,
             "num_compilations": self.runner.num_compilations,
+            "num_devices": len(self.runner.devices), "kv_head_replication": self.runner.kv_head_replication,
             "compile_seconds": self.runner.compile_seconds,
             "waiting": len(s.waiting), "running": len(s.running), "swapped": len(s.swapped),
         }

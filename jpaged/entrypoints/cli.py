@@ -77,6 +77,11 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--swap-space", type=float, default=4.0,
                         help="GiB of CPU block pool for --preemption-mode swap (capped at the device pool's size)")
     parser.add_argument("--enable-prefix-caching", action="store_true", help="reuse the KV blocks of shared prompt prefixes")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="devices to split the model and the KV pool over by heads (on a CPU, force devices "
+                        "with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="devices to split the KV pool over by blocks, each running the requests placed on it")
 
 
 def engine_config(args):
@@ -89,7 +94,9 @@ def engine_config(args):
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         preemption_mode=args.preemption_mode,
                         swap_space=args.swap_space if args.preemption_mode == "swap" else 0.0,
-                        enable_prefix_caching=args.enable_prefix_caching)
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        data_parallel_size=args.data_parallel_size)
 
 
 def serve(args) -> int:
@@ -200,7 +207,8 @@ def generate(args) -> int:
         "kv_utilization": round(stats["kv_utilization"], 4) if stats["kv_utilization"] is not None else None,
         "num_preemptions": stats["num_preemptions"], "prefix_cache_hit_rate": round(stats["prefix_cache_hit_rate"], 4),
         "num_compilations": stats["num_compilations"], "compile_s": round(llm.last_run["compile_s"], 3),
-        "load_s": round(load_s, 3),
+        "load_s": round(load_s, 3), "num_devices": stats["num_devices"],
+        "kv_head_replication": stats["kv_head_replication"],
     }
     if args.json:
         for text, r in zip(texts, outputs):
