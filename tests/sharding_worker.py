@@ -31,7 +31,7 @@ from jpaged.device.config import ModelConfig  # noqa: E402
 from jpaged.device.params import init_params  # noqa: E402
 from jpaged.device.runner import ModelRunner  # noqa: E402
 from jpaged.device.sharding import ShardingStrategy, make_mesh, tensor_parallel  # noqa: E402
-from jpaged.device.attention import get_backend  # noqa: E402
+from jpaged.device.attention import get_backend, native  # noqa: E402
 from jpaged.engine import EngineConfig, llm_engine  # noqa: E402
 from jpaged.entrypoints import cli  # noqa: E402
 
@@ -155,9 +155,13 @@ def main() -> None:
     # the Pallas kernels (interpret mode) under shard_map against the XLA path on one device
     few, params = PROMPTS[3:6], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     # and a user's own strategy and mesh: tensor parallel with the embedding and LM head split by vocabulary too
-    runs = (("xla_one", {}), ("pallas_tp3", {"tensor_parallel_size": 3, "attention_backend": "pallas", "interpret": True}),
+    runs = (("xla_one", {"attention_backend": "xla"}),
+            ("pallas_tp3", {"tensor_parallel_size": 3, "attention_backend": "pallas", "interpret": True}),
             ("vocab_tp3", {"sharding": tensor_parallel(vocab=True), "mesh": make_mesh(3)}),
             ("pallas_dp2", {"data_parallel_size": 2, "attention_backend": "pallas", "interpret": True}))
+    if native.available_variants():  # the native CPU kernel under shard_map, on local heads and on local blocks
+        runs += (("native_tp3", {"tensor_parallel_size": 3, "attention_backend": "native"}),
+                 ("native_dp2", {"data_parallel_size": 2, "attention_backend": "native"}))
     for name, kwargs in runs:
         llm = LLM(loaded=model, num_blocks=16, **kwargs)
         result[name] = tokens(llm.generate(few, params, use_tqdm=False))

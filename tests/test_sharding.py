@@ -106,6 +106,13 @@ def test_pallas_under_shard_map_gives_the_xla_tokens(seen):
     assert seen["pallas_tp3"] == seen["xla_one"]
 
 
+@pytest.mark.parametrize("run", ["native_tp3", "native_dp2"])
+def test_native_kernel_under_shard_map_gives_the_xla_tokens(seen, run):
+    if run not in seen:
+        pytest.skip("the native CPU kernel was not built on this machine")
+    assert seen[run] == seen["xla_one"]
+
+
 def test_a_users_own_strategy_and_mesh(seen):
     # LLM(sharding=tensor_parallel(vocab=True), mesh=make_mesh(3)): the embedding split by vocabulary too
     assert seen["vocab_embed_shards"] == [[49152 // 3, 576]] * 3
