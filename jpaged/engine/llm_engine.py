@@ -69,6 +69,8 @@ class LLMEngine:
                  runner: Optional[ModelRunner] = None, kv_cache_manager: Optional[KVCacheManagerFactory] = None,
                  params: Optional[LlamaParams] = None, **overrides):
         config = dataclasses.replace(config, **overrides)  # every field checked: nothing is loaded yet
+        if params is not None and runner is not None:
+            raise ValueError("give params or runner, not both: a runner serves the parameters it holds")
         self.config = config
         dtype = config.jnp_dtype  # the KV pool's
         # XLA's CPU matmuls in 16 bits are several times slower than in float32: there the parameters
@@ -88,8 +90,6 @@ class LLMEngine:
                                else sharding.axis_size("blocks", mesh) if sharding is not None else 1)
         pool_config = dataclasses.replace(model_config, num_kv_heads=model_config.num_kv_heads * replication)
         if params is not None:
-            if runner is not None:
-                raise ValueError("give params or runner, not both: a runner serves the parameters it holds")
             check_params(params, model_config)
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
