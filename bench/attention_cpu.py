@@ -15,7 +15,6 @@ a 1 GiB array). It also checks the two backends agree.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import threading
@@ -28,6 +27,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `jpaged` impo
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
+from bench.vs_peers import machine_info as cpu_info  # noqa: E402
 
 LAYERS, KV_HEADS, HEADS, HEAD_DIM, BLOCK = 30, 3, 9, 64, 16
 FULL = [(16, 480), (64, 480), (120, 128), (120, 480), (120, 1024), (120, "mixed")]
@@ -156,7 +156,8 @@ def plot(out: dict, path: Path) -> None:
         ax.set_ylabel("ms per decode step (30 layers)")
         ax.set_title(f"{dtype} pool")
         ax.legend()
-    fig.suptitle(out["machine"].get("cpu_model") or "")
+    cpu = out["machine"].get("cpu", {})
+    fig.suptitle(f"{cpu.get('model_name')} ({'AMX' if cpu.get('has_amx') else 'no AMX'})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -171,37 +172,24 @@ def print_table(out: dict) -> None:
               f"{c['xla_ms']:.0f} | {c['native_over_bound']:.2f} | {c['xla_over_native']:.1f}x |")
 
 
-def cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    return f"{model} ({'AMX' if 'amx_tile' in flags else 'no AMX'}, {'AVX-512' if 'avx512f' in flags else 'no AVX-512'})"
-
-
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help=f"cases {QUICK} (default {FULL})")
+    parser = common.bench_parser(__doc__.splitlines()[0], f"cases {QUICK} (default {FULL})")
     parser.add_argument("--reps", type=int, default=5, help="timed runs per backend and case")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="pool dtypes, comma-separated")
-    parser.add_argument("--out", default=str(common.RESULTS_DIR))
     args = parser.parse_args(argv)
+    common.use_compile_cache(args)
     start = time.perf_counter()
     import jax
 
     print(f"JAX {jax.__version__} on {jax.default_backend()}")
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(args.seed)
     bandwidth = measure_bandwidth()
     print(f"read bandwidth {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s (gemv {bandwidth['gemv'] / 1e9:.1f}, "
           f"numpy threads {bandwidth['numpy_threads'] / 1e9:.1f})")
     dtypes = args.dtypes.split(",")
     cases = [run_case(rows, context, dtype, args.reps, bandwidth["bytes_per_s"], rng)
              for dtype in dtypes for rows, context in (QUICK if args.quick else FULL)]
-    machine = common.machine_info()
-    machine["cpu_model"] = cpu_model()
+    machine = {**common.machine_info(), "cpu": cpu_info()}  # the CPU model, its vector ISA and whether it has AMX
     out = dict(machine=machine, bandwidth=bandwidth, dtypes=dtypes, cases=cases, reps=args.reps)
     return common.report(out, Path(args.out), common.results_stem("attention_cpu", args.quick), start, plot,
                          print_table)
