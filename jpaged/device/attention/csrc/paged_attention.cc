@@ -330,6 +330,11 @@ inline float AddLanes(VF x) {
 // heads of a block's tokens lie together in the pool), and each K or V row is loaded once for the
 // G query heads that read it. head_dim is C * 16. Query token i sees the keys at positions <= its
 // own. Returns false on a block outside the pool.
+//
+// Per tile of 16 keys and query token: the scores of every query head (K read token by token, all
+// heads, in address order), then the online softmax of every query head together (independent
+// chains the CPU overlaps), then the outputs KV head by KV head. The tile kPrefetchTiles ahead is
+// prefetched one token per key of the score loop, so the requests spread over the tile's work.
 template <PoolType T, int C, int G>
 bool RunRowChunk(const Problem& p, const WorkItem& item) {
   constexpr int D = C * 16;
@@ -351,7 +356,8 @@ bool RunRowChunk(const Problem& p, const WorkItem& item) {
     qv[i] *= p.scale;
   }
   int64_t offsets[kTile];  // of each key's token (head 0) in the pool
-  alignas(64) float probs[G][kTile];
+  std::vector<VF> partial(H * kTile);     // [query head][key]: partial products of a tile's scores
+  std::vector<float> probs(H * kTile), alpha(H);
   for (int64_t tile = 0; tile < keys; tile += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, keys - tile));
     for (int t = 0; t < n; ++t) {
@@ -360,7 +366,7 @@ bool RunRowChunk(const Problem& p, const WorkItem& item) {
       if (block < 0 || block >= p.NB) return false;
       offsets[t] = p.layer_offset + block * block_stride + (pos % p.BS) * token_stride;
     }
-    // the tokens kPrefetchTiles ahead, prefetched head by head while this tile computes
+    // the tokens kPrefetchTiles ahead (prefetched in the score loop below)
     int64_t ahead[kTile];
     int ahead_n = 0;
     for (int64_t pos = tile + kPrefetchTiles * kTile;
@@ -369,55 +375,58 @@ bool RunRowChunk(const Problem& p, const WorkItem& item) {
       if (block < 0 || block >= p.NB) break;
       ahead[ahead_n++] = (p.layer_offset + block * block_stride + (pos % p.BS) * token_stride) * elem;
     }
-    for (int64_t h = 0; h < KVH; ++h) {
-      for (int t = 0; t < ahead_n; ++t) {
-        const char* k_row = static_cast<const char*>(p.k) + ahead[t] + h * D * elem;
-        const char* v_row = static_cast<const char*>(p.v) + ahead[t] + h * D * elem;
-        for (int line = 0; line < D * elem / 64; ++line) {  // a constant count: unrolled
-          __builtin_prefetch(k_row + 64 * line);
-          __builtin_prefetch(v_row + 64 * line);
+    for (int64_t i = 0; i < Q; ++i) {
+      const int visible = static_cast<int>(std::min<int64_t>(n, first_pos + i + 1 - tile));  // causal
+      if (visible <= 0) continue;
+      const VF* q = &qv[i * H * C];  // [H][C]
+      // scores: token by token, every KV head (the tile's K rows in address order)
+      for (int t = 0; t < kTile; ++t) {
+        if (i == 0 && t < ahead_n) {  // the tile kPrefetchTiles ahead, one token per key
+          const char* k_row = static_cast<const char*>(p.k) + ahead[t];
+          const char* v_row = static_cast<const char*>(p.v) + ahead[t];
+          for (int64_t line = 0; line < KVH * D * elem / 64; ++line) {
+            __builtin_prefetch(k_row + 64 * line);
+            __builtin_prefetch(v_row + 64 * line);
+          }
         }
-      }
-      for (int64_t i = 0; i < Q; ++i) {
-        const int visible = static_cast<int>(std::min<int64_t>(n, first_pos + i + 1 - tile));  // causal
-        if (visible <= 0) continue;
-        const int64_t base = i * H + h * G;  // (query token i, query head h * G) in m, l; times C in qv, acc
-        const VF* q = &qv[base * C];         // [G][C]
-        VF partial[G][kTile];
-        for (int t = 0; t < kTile; ++t) {
-          if (t < visible) {
+        if (t < visible) {
+          for (int64_t h = 0; h < KVH; ++h) {
             VF k[C];
             for (int c = 0; c < C; ++c) k[c] = Load16<T>(p.k, offsets[t] + h * D + 16 * c);
             for (int g = 0; g < G; ++g) {
-              VF s = q[g * C] * k[0];
-              for (int c = 1; c < C; ++c) s += q[g * C + c] * k[c];
-              partial[g][t] = s;
+              VF s = q[(h * G + g) * C] * k[0];
+              for (int c = 1; c < C; ++c) s += q[(h * G + g) * C + c] * k[c];
+              partial[(h * G + g) * kTile + t] = s;
             }
-          } else {
-            for (int g = 0; g < G; ++g) partial[g][t] = VF{};
           }
+        } else {
+          for (int64_t j = 0; j < H; ++j) partial[j * kTile + t] = VF{};
         }
-        float alpha[G];
-        for (int g = 0; g < G; ++g) {
-          VF scores = SumLanes16(partial[g]);
-          if (visible < kTile) scores = kLanes < visible ? scores : Splat(kNegInf);
-          const float m_old = m[base + g];
-          const float m_new = std::max(m_old, MaxLanes(scores));
-          alpha[g] = m_old == kNegInf ? 0.0f : ExpNonPositive(m_old - m_new);
-          VF pr = ExpNonPositive16(scores - m_new);
-          if (visible < kTile) pr = kLanes < visible ? pr : VF{};
-          l[base + g] = l[base + g] * alpha[g] + AddLanes(pr);
-          m[base + g] = m_new;
-          std::memcpy(probs[g], &pr, sizeof pr);
-        }
+      }
+      // the online softmax of every query head
+      for (int64_t j = 0; j < H; ++j) {
+        VF scores = SumLanes16(&partial[j * kTile]);
+        if (visible < kTile) scores = kLanes < visible ? scores : Splat(kNegInf);
+        const float m_old = m[i * H + j];
+        const float m_new = std::max(m_old, MaxLanes(scores));
+        alpha[j] = m_old == kNegInf ? 0.0f : ExpNonPositive(m_old - m_new);
+        VF pr = ExpNonPositive16(scores - m_new);
+        if (visible < kTile) pr = kLanes < visible ? pr : VF{};
+        l[i * H + j] = l[i * H + j] * alpha[j] + AddLanes(pr);
+        m[i * H + j] = m_new;
+        std::memcpy(&probs[j * kTile], &pr, sizeof pr);
+      }
+      // outputs: KV head by KV head
+      for (int64_t h = 0; h < KVH; ++h) {
+        const int64_t base = i * H + h * G;
         VF a[G][C];
         for (int g = 0; g < G; ++g)
-          for (int c = 0; c < C; ++c) a[g][c] = acc[(base + g) * C + c] * alpha[g];
+          for (int c = 0; c < C; ++c) a[g][c] = acc[(base + g) * C + c] * alpha[h * G + g];
         for (int t = 0; t < visible; ++t) {
           VF v[C];
           for (int c = 0; c < C; ++c) v[c] = Load16<T>(p.v, offsets[t] + h * D + 16 * c);
           for (int g = 0; g < G; ++g) {
-            const VF pt = Splat(probs[g][t]);
+            const VF pt = Splat(probs[(h * G + g) * kTile + t]);
             for (int c = 0; c < C; ++c) a[g][c] += pt * v[c];
           }
         }
