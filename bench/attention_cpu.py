@@ -6,17 +6,26 @@ scattered at random, in one jitted `lax.scan` over the layers as in the model (t
 place at a traced layer index). For each (rows, context) case and pool dtype, side by side in one
 run: ms per step of the native kernel (`jpaged.device.attention.native`, the variant this CPU runs
 best) and of the XLA path (`xla_attend`, gathered key tiles), median of `--reps` alternating runs,
-and the read bound: the K/V bytes the step must read divided by the bandwidth measured in the same
-run (the best of a multi-threaded matrix-vector product and numpy sums on one thread per core, over
-a 1 GiB array). It also checks the two backends agree.
+and two bounds measured in the same run:
+  - the read bound: the K/V bytes the step must read divided by the sequential read bandwidth (the
+    best of a multi-threaded matrix-vector product and numpy sums on one thread per core, over a
+    1 GiB array);
+  - the block-read time: reading the very blocks the step reads, layer by layer, with plain
+    vector loads and no arithmetic, one thread per core (`bench/csrc/block_read.c`, compiled here
+    with the system C compiler for this CPU; skipped without one). Scattered 16-token blocks read
+    slower than one sequential stream, so this is the floor the kernel can reach on this machine.
+It also checks the two backends agree.
 
     python bench/attention_cpu.py [--quick] [--reps 5] [--out bench/results]   # attention_cpu{,_quick}.json/.png
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -55,6 +64,52 @@ def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> dict:
             th.join()
         threaded.append(x.nbytes / (time.perf_counter() - t))
     return dict(bytes_per_s=max(max(gemv), max(threaded)), gemv=max(gemv), numpy_threads=max(threaded))
+
+
+def build_block_reader():
+    """`read_chunks` of bench/csrc/block_read.c, compiled for this CPU into a temporary folder, or None
+    (with a line saying why) where no C compiler builds it."""
+    source = Path(__file__).resolve().parent / "csrc" / "block_read.c"
+    library = Path(tempfile.mkdtemp(prefix="jpaged-bench-")) / "block_read.so"
+    compiler = os.environ.get("CC", "cc")
+    try:
+        subprocess.run([compiler, "-O2", "-march=native", "-shared", "-fPIC", str(source), "-o", str(library)],
+                       check=True, capture_output=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as error:
+        print(f"block-read bound skipped: {compiler} could not build {source.name} ({error})")
+        return None
+    read = ctypes.CDLL(str(library)).read_chunks
+    read.restype = ctypes.c_float
+    read.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+    return read
+
+
+def block_read_ms(read, k, v, tables, lens, reps: int) -> tuple[float, int]:
+    """(median ms, bytes) of reading, layer by layer and row by row, each row's K and V blocks (the
+    slots its context fills) with `read`, the rows shared out over one thread per core."""
+    itemsize = k.dtype.itemsize
+    token = KV_HEADS * HEAD_DIM * itemsize
+    block = BLOCK * token
+    num_blocks = k.shape[1]
+    chunks = [((layer * num_blocks + b) * block, min(BLOCK, int(n) - BLOCK * j) * token)
+              for layer in range(LAYERS) for n, table in zip(lens, tables) for j, b in enumerate(table)]
+    offsets, sizes = (np.ascontiguousarray(a, np.int64) for a in zip(*chunks))
+    parts = np.array_split(np.arange(len(chunks)), os.cpu_count() or 1)
+    k_ptr, v_ptr = k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()
+
+    def run(part):
+        read(k_ptr, v_ptr, offsets[part[0]:].ctypes.data, sizes[part[0]:].ctypes.data, len(part))
+
+    times = []
+    for _ in range(reps + 1):  # the first warms the page tables
+        threads = [threading.Thread(target=run, args=(part,)) for part in parts if len(part)]
+        t = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times[1:])), 2 * int(sizes.sum())
 
 
 def context_lengths(rows: int, context, rng) -> np.ndarray:
@@ -100,7 +155,7 @@ def step_fn(backend, inputs):
     return jax.jit(step)
 
 
-def run_case(rows, context, dtype, reps, bandwidth, rng, log=print) -> dict:
+def run_case(rows, context, dtype, reps, bandwidth, rng, reader=None, log=print) -> dict:
     import jax
 
     from jpaged.device.attention.native import NativeBackend, available_variants
@@ -124,13 +179,19 @@ def run_case(rows, context, dtype, reps, bandwidth, rng, log=print) -> dict:
     read_bytes = int(lens.sum()) * LAYERS * 2 * KV_HEADS * HEAD_DIM * itemsize
     ms = {name: 1e3 * float(np.median(t)) for name, t in times.items()}
     bound = 1e3 * read_bytes / bandwidth
+    blocks_ms = None
+    if reader is not None:
+        blocks_ms, blocks_bytes = block_read_ms(reader, k, v, tables, lens, reps)
+        assert blocks_bytes == read_bytes, (blocks_bytes, read_bytes)
     diff = float(np.abs(np.asarray(outs["native"][:rows]) - np.asarray(outs["xla"][:rows])).max())
     result = dict(rows=rows, context=context, dtype=dtype, mean_context=float(lens.mean()), read_bytes=read_bytes,
                   read_bound_ms=bound, native_ms=ms["native"], xla_ms=ms["xla"],
                   native_over_bound=ms["native"] / bound, xla_over_native=ms["xla"] / ms["native"],
+                  block_read_ms=blocks_ms, native_over_block_read=blocks_ms and ms["native"] / blocks_ms,
                   max_abs_difference=diff, native_variant=available_variants()[0],
                   runs_ms={name: [1e3 * s for s in t] for name, t in times.items()})
-    log(f"  {rows:>4} rows x {str(context):>6} {dtype:<8}  bound {bound:7.1f} ms  native {ms['native']:7.1f}  "
+    blocks = f"  block read {blocks_ms:7.1f}" if blocks_ms else ""
+    log(f"  {rows:>4} rows x {str(context):>6} {dtype:<8}  bound {bound:7.1f} ms{blocks}  native {ms['native']:7.1f}  "
         f"xla {ms['xla']:8.1f}  native/bound {result['native_over_bound']:.2f}  xla/native "
         f"{result['xla_over_native']:.1f}x  |diff| {diff:.1e}")
     return result
@@ -147,9 +208,13 @@ def plot(out: dict, path: Path) -> None:
         cases = [c for c in out["cases"] if c["dtype"] == dtype]
         labels = [f"{c['rows']}x{c['context']}" for c in cases]
         x = np.arange(len(cases))
-        for i, (key, label) in enumerate([("read_bound_ms", "read bound (measured bandwidth)"),
-                                          ("native_ms", "native kernel"), ("xla_ms", "XLA path")]):
-            ax.bar(x + (i - 1) * 0.27, [c[key] for c in cases], 0.27, label=label)
+        bars = [("read_bound_ms", "read bound (sequential bandwidth)"),
+                ("block_read_ms", "reading the same blocks, no arithmetic"),
+                ("native_ms", "native kernel"), ("xla_ms", "XLA path")]
+        bars = [(key, label) for key, label in bars if all(c.get(key) for c in cases)]
+        width = 0.8 / len(bars)
+        for i, (key, label) in enumerate(bars):
+            ax.bar(x + (i - (len(bars) - 1) / 2) * width, [c[key] for c in cases], width, label=label)
         ax.set_xticks(x, labels)
         ax.set_yscale("log")
         ax.set_xlabel("rows x context")
@@ -165,11 +230,14 @@ def plot(out: dict, path: Path) -> None:
 
 def print_table(out: dict) -> None:
     print(f"\nbandwidth {out['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s; ms per decode step of {LAYERS} layers")
-    print("| pool | rows | context | read bound | native | XLA | native / bound | XLA / native |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| pool | rows | context | read bound | block read | native | XLA | native / bound | native / block read "
+          "| XLA / native |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for c in out["cases"]:
-        print(f"| {c['dtype']} | {c['rows']} | {c['context']} | {c['read_bound_ms']:.0f} | {c['native_ms']:.0f} | "
-              f"{c['xla_ms']:.0f} | {c['native_over_bound']:.2f} | {c['xla_over_native']:.1f}x |")
+        blocks = (f"{c['block_read_ms']:.0f}", f"{c['native_over_block_read']:.2f}") if c["block_read_ms"] else ("-",) * 2
+        print(f"| {c['dtype']} | {c['rows']} | {c['context']} | {c['read_bound_ms']:.0f} | {blocks[0]} | "
+              f"{c['native_ms']:.0f} | {c['xla_ms']:.0f} | {c['native_over_bound']:.2f} | {blocks[1]} | "
+              f"{c['xla_over_native']:.1f}x |")
 
 
 def main(argv=None) -> dict:
@@ -187,7 +255,8 @@ def main(argv=None) -> dict:
     print(f"read bandwidth {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s (gemv {bandwidth['gemv'] / 1e9:.1f}, "
           f"numpy threads {bandwidth['numpy_threads'] / 1e9:.1f})")
     dtypes = args.dtypes.split(",")
-    cases = [run_case(rows, context, dtype, args.reps, bandwidth["bytes_per_s"], rng)
+    reader = build_block_reader()
+    cases = [run_case(rows, context, dtype, args.reps, bandwidth["bytes_per_s"], rng, reader)
              for dtype in dtypes for rows, context in (QUICK if args.quick else FULL)]
     machine = {**common.machine_info(), "cpu": cpu_info()}  # the CPU model, its vector ISA and whether it has AMX
     out = dict(machine=machine, bandwidth=bandwidth, dtypes=dtypes, cases=cases, reps=args.reps)
