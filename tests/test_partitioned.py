@@ -1,5 +1,6 @@
 """The data-parallel host side without the model: `PartitionedBlockManager` (one block manager per
-data rank, global ids) and the scheduler's placement (least loaded, kept across preemption)."""
+data rank, global ids) and the scheduler's placement (the most free blocks left, a held prefix
+shared; kept across preemption)."""
 
 from __future__ import annotations
 
@@ -61,10 +62,10 @@ def test_prefix_caches_are_per_partition():
     assert (cached, hit0, hit1) == (0, 8, 0)  # rank 1 never saw the prefix
 
 
-def partitioned_harness(num_blocks_per_rank: int, mode: str = "recompute") -> Harness:
+def partitioned_harness(num_blocks_per_rank: int, mode: str = "recompute", **kwargs) -> Harness:
     harness = Harness(2, mode=mode)
     harness.scheduler.block_manager = PartitionedBlockManager.create(
-        2, num_blocks_per_rank, 4, cpu_blocks_per_partition=num_blocks_per_rank if mode == "swap" else 0)
+        2, num_blocks_per_rank, 4, cpu_blocks_per_partition=num_blocks_per_rank if mode == "swap" else 0, **kwargs)
     return harness
 
 
@@ -88,3 +89,27 @@ def test_groups_go_to_the_least_loaded_rank_and_keep_it_across_preemption(mode):
     assert preempted and all(g.request_id == "c" for g in preempted)  # the latest arrival of the short rank
     assert ranks_seen == {("a", 0), ("b", 1), ("c", 1)}  # nobody ever moved
     assert h.scheduler.block_manager.num_free_blocks == 10
+
+
+def test_a_group_goes_where_running_sequences_hold_its_prefix():
+    h = partitioned_harness(8, enable_prefix_caching=True)  # 7 usable blocks of 4 tokens per rank
+    a = h.add("a", 9, max_tokens=20)                  # 3 blocks on rank 0 (the tie goes to the lower rank)
+    x = h.add("x", 8, max_tokens=20, first_token=50)  # another prompt: 2 blocks on rank 1, the least loaded
+    b = h.add("b", 9, max_tokens=20)                  # a's prompt: 2 of its 3 blocks are a's, shared on rank 0
+    h.step()
+    # least loaded would put b on rank 1 (5 free against 4); on rank 0 it takes 1 block and leaves 3,
+    # on rank 1 it would take 3 and leave 2
+    assert (a.rank, x.rank, b.rank) == (0, 1, 0)
+    assert b.num_cached_tokens == 8
+    bm = h.scheduler.block_manager
+    assert bm.block_table(b.seqs[0].seq_id)[:2] == bm.block_table(a.seqs[0].seq_id)[:2]
+    assert (bm.num_free_blocks_in(0), bm.num_free_blocks_in(1)) == (3, 5)
+
+
+def test_allocation_cost_counts_shared_and_cached_free_prefix_blocks():
+    bm = two_ranks(enable_prefix_caching=True)
+    bm, _ = bm.allocate("a", list(range(9)), rank=1)
+    assert bm.allocation_cost(list(range(9)), rank=1) == (1, 8)  # 2 blocks shared with running a
+    assert bm.allocation_cost(list(range(9)), rank=0) == (3, 0)
+    bm = bm.free(["a"])
+    assert bm.allocation_cost(list(range(9)), rank=1) == (3, 8)  # cached but free: taken, not computed

@@ -28,8 +28,9 @@ class Harness:
         self.scheduler = Scheduler(bm, SchedulerConfig(preemption_mode=mode, **config))
         self.seq_ids = itertools.count()
 
-    def add(self, name: str, prompt_len: int, max_tokens: int = 100, n: int = 1, arrival: float = 0.0):
-        prompt = tuple(range(1, prompt_len + 1))
+    def add(self, name: str, prompt_len: int, max_tokens: int = 100, n: int = 1, arrival: float = 0.0,
+            first_token: int = 1):
+        prompt = tuple(range(first_token, first_token + prompt_len))
         seqs = [Sequence(next(self.seq_ids), i, prompt) for i in range(n)]
         group = SequenceGroup(name, None, prompt, SamplingParams(n=n, max_tokens=max_tokens), 0, seqs,
                               arrival_time=arrival)

@@ -192,6 +192,31 @@ class BlockManager:
         """Counts only the swapped blocks; the caller reserves room for the next append."""
         return self._distinct_blocks(seq_ids, swapped=True) <= self.num_free_blocks
 
+    def _prefix_hits(self, token_ids: Sequence[int]) -> tuple[list[BlockHash], list[int]]:
+        """(the hashes of the full blocks of `token_ids`, the cached blocks of their longest prefix
+        found in the prefix cache, at most (len - 1) // block_size of them); both empty without
+        prefix caching."""
+        hashes, hits, parent = [], [], None
+        if not self.enable_prefix_caching:
+            return hashes, hits
+        bs = self.block_size
+        for i in range(len(token_ids) // bs):
+            hashes.append((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+            parent = hash(hashes[-1])
+        for block_hash in hashes[:(len(token_ids) - 1) // bs]:
+            if (block_id := self._cached.get(block_hash)) is None:
+                break
+            hits.append(block_id)
+        return hashes, hits
+
+    def allocation_cost(self, token_ids: Sequence[int]) -> tuple[int, int]:
+        """What `allocate` of these tokens would take, without allocating: (free blocks it takes,
+        tokens of its prefix found in the prefix cache). Cached blocks that running sequences hold
+        are shared, not taken."""
+        _, hits = self._prefix_hits(token_ids)
+        taken = blocks_for(len(token_ids), self.block_size) - sum(1 for b in hits if self.refcount(b) > 0)
+        return taken, len(hits) * self.block_size
+
     # ---- operations ----------------------------------------------------------------------------
     def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> tuple[BlockManager, int]:
         """A new running sequence holding `token_ids`. Returns (snapshot, num_cached_tokens): with
@@ -204,15 +229,8 @@ class BlockManager:
         n, bs = len(token_ids), self.block_size
         if n == 0:
             raise ValueError(f"cannot allocate sequence {seq_id!r} with no tokens")
-        hashes, hits, parent = [], [], None
-        if self.enable_prefix_caching:
-            for i in range(n // bs):
-                hashes.append((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
-                parent = hash(hashes[-1])
-            for block_hash in hashes[:(n - 1) // bs]:
-                if (block_id := self._cached.get(block_hash)) is None:
-                    break
-                hits.append(block_id)
+        hashes, hits = self._prefix_hits(token_ids)
+        parent = hash(hashes[-1]) if hashes else None
         num_needed = blocks_for(n, bs) - sum(1 for b in hits if self.refcount(b) > 0)
         if num_needed > self.num_free_blocks:
             raise OutOfBlocksError(f"cannot allocate sequence {seq_id!r} ({n} tokens): needs "

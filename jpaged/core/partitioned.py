@@ -8,8 +8,8 @@ sequence lives in one partition, and fork and copy-on-write stay inside it. Bloc
 device operations are *global* ids here; the device side turns them into each rank's local ids
 (global - r * P).
 
-Placement is the scheduler's: `allocate(..., rank=)` puts a new sequence on a rank; `rank_of` says
-where a sequence lives. Invariants (`check_invariants`): every partition's own, and every sequence
+Placement is the scheduler's: `allocate(..., rank=)` puts a new sequence on a rank (chosen with
+`allocation_cost`, which counts each rank's prefix cache); `rank_of` says where a sequence lives. Invariants (`check_invariants`): every partition's own, and every sequence
 in exactly one partition. An immutable snapshot, like `BlockManager`.
 """
 
@@ -129,6 +129,11 @@ class PartitionedBlockManager:
 
     def can_allocate(self, token_ids: Sequence[Sequence[int]], *, reserve: int = 0, rank: int = 0) -> bool:
         return self.partitions[rank].can_allocate(token_ids, reserve=reserve)
+
+    def allocation_cost(self, token_ids: Sequence[int], *, rank: int = 0) -> tuple[int, int]:
+        """(free blocks of `rank` that allocating these tokens there takes, tokens of its prefix in
+        that rank's prefix cache): what the scheduler's placement compares across ranks."""
+        return self.partitions[rank].allocation_cost(token_ids)
 
     def allocate(self, seq_id: SeqId, token_ids: Sequence[int], *, rank: int = 0):
         part, num_cached = self.partitions[rank].allocate(seq_id, token_ids)

@@ -19,7 +19,8 @@ sequences a group holds (`fork_seq`, `set_beams`) and each sequence's `finish_re
 (numpy-friendly lists) and the `DeviceOps` a step implies.
 
 Data parallel (a manager with `num_partitions` > 1, `jpaged.core.partitioned`): each new group is
-placed on the partition (data rank) with the most free blocks and keeps it for life, preemption
+placed on the partition (data rank) left with the most free blocks once it is allocated there (a
+prefix that rank's running sequences hold is shared, not taken) and keeps it for life, preemption
 included (`group.rank`); blocks are counted per partition, and a group short of blocks preempts
 the latest arrival of its own partition. With one partition every rank is 0 and nothing changes.
 """
@@ -231,9 +232,18 @@ class Scheduler:
         return {"rank": rank} if self.num_partitions > 1 else {}
 
     def _place(self, group: SequenceGroup) -> int:
-        """A group's partition: the one it was placed on, else the one with the most free blocks."""
+        """A group's partition: the one it was placed on, else the one left with the most free
+        blocks once its prompt is allocated there, where blocks of its prefix that running
+        sequences of that rank hold are shared, not taken (prefix caching); ties go to the rank
+        caching the longer prefix, then to the lower rank. Without prefix caching: the least loaded."""
         if group.rank is None and self.num_partitions > 1:
-            group.rank = max(range(self.num_partitions), key=lambda r: (self._free_in(r), -r))
+            prompt = group.live_seqs[0].token_ids
+
+            def after(rank):
+                taken, cached_tokens = self.block_manager.allocation_cost(prompt, rank=rank)
+                return self._free_in(rank) - taken, cached_tokens, -rank
+
+            group.rank = max(range(self.num_partitions), key=after)
         return self._rank(group)
 
     def _schedule_prefill(self) -> SchedulerOutput:
