@@ -5,11 +5,17 @@
 suite runs on one device. It records what the tests compare (tokens of every request on one device
 and under tensor parallelism, each device's pool shard, collectives in the compiled steps, errors);
 the assertions live in the test module.
+
+`python tests/sharding_worker.py --process ADDRESS N I` is instead process I of N of one engine under
+`jax.distributed` (`jpaged.device.distributed`; the test starts 2 with 3 forced CPU devices each): it
+runs `SHORT` on data parallel 2 x tensor parallel 3 over the 6 global devices, process 0 alone giving
+the requests, and prints what it got.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -27,6 +33,7 @@ import numpy as np  # noqa: E402
 
 from bench.sharding import collectives  # noqa: E402
 from jpaged import LLM, SamplingParams, weights  # noqa: E402
+from jpaged.device import distributed  # noqa: E402
 from jpaged.device.config import ModelConfig  # noqa: E402
 from jpaged.device.params import init_params  # noqa: E402
 from jpaged.device.runner import ModelRunner  # noqa: E402
@@ -43,6 +50,11 @@ PROMPTS = [SYSTEM + p for p in ("Name a colour.", "Name a fruit.", "Name a plane
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PARAMS = [GREEDY] * 6 + [SamplingParams(beam_width=2, temperature=0, max_tokens=6),
                          SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=8, ignore_eos=True), GREEDY]
+
+# the two-process run: the same requests, greedy and sampled ones cut to 8 tokens (a prefix of PARAMS' tokens:
+# each token depends on the tokens before it alone), beam search as in PARAMS (its result depends on max_tokens)
+SHORT = [p if p.beam_width > 1 else dataclasses.replace(p, max_tokens=min(p.max_tokens, 8)) for p in PARAMS]
+SWAP = {"num_blocks": 10, "preemption_mode": "swap", "swap_space": 0.05}  # prefix caching on, as every engine_run
 
 
 def _cache():
@@ -68,10 +80,10 @@ def pool_copies(executable, shard_shape) -> dict:
             "layer_slices": [line for line in text.splitlines() if re.search(rf"= {re.escape(layer)}", line)]}
 
 
-def engine_run(model, **kwargs):
+def engine_run(model, prompts=PROMPTS, params=PARAMS, **kwargs):
     llm = LLM(loaded=model, num_blocks=kwargs.pop("num_blocks", 10), enable_prefix_caching=True, **kwargs)
     t0 = time.perf_counter()
-    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.engine.stats()
     llm.engine.scheduler.block_manager.check_invariants()
     return llm, {"tokens": tokens(outs), "num_preemptions": stats["num_preemptions"],
@@ -185,6 +197,27 @@ def main() -> None:
     print(json.dumps(result))
 
 
+def process_main(address: str, num_processes: int, process_id: int) -> None:
+    """One process of `num_processes` running one engine over all their devices (see the module docstring)."""
+    distributed.initialize(address, num_processes, process_id, initialization_timeout=120)
+    _cache()
+    model = weights.load_model(None, dtype=jnp.float32)
+    first = process_id == 0  # process 0 gives the requests; the others' are ignored (broadcast from process 0)
+    llm, result = engine_run(model, PROMPTS if first else [], SHORT if first else None, data_parallel_size=2,
+                             tensor_parallel_size=3, **SWAP)
+    runner = llm.engine.runner
+    result.update(process_id=jax.process_index(), local_devices=jax.local_device_count(),
+                  max_tokens=[p.max_tokens for p in SHORT], executables=sorted({name for name, _ in runner.executables}),
+                  local_pool_shards=[list(s.data.shape) for s in runner.cache.k.addressable_shards])
+    # the CLI's flags for the runtime (already joined): process 0 prints, the others take its prompt and print nothing
+    llm_engine.load_model = lambda path, dtype=None: model
+    result["cli"] = cli_error("--coordinator-address", address, "--num-processes", str(num_processes), "--process-id",
+                              str(process_id), "--data-parallel-size", "2", "--tensor-parallel-size", "3",
+                              "--max-tokens", "2", "--num-blocks", "10", "--json")
+    print(json.dumps(result), flush=True)
+    jax.distributed.shutdown()
+
+
 def _error(f) -> str:
     try:
         f()
@@ -194,4 +227,7 @@ def _error(f) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--process"]:
+        process_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        main()

@@ -59,6 +59,13 @@ REAL_LOAD_MODEL = llm_engine.load_model
     (["hi", "--attention-backend", "pallas"], "use attention_backend='auto' or 'xla' here"),
     (["hi", "--tensor-parallel-size", "64"], "64 devices asked for"),
     (["hi", "--n", "300", "--temperature", "0.5"], "max_num_seqs=256"),
+    (["hi", "--num-processes", "2"], "coordinator address (--coordinator-address) must be HOST:PORT"),
+    (["hi", "--num-processes", "2", "--coordinator-address", "localhost"], "must be HOST:PORT"),
+    (["hi", "--num-processes", "2", "--coordinator-address", "h:70000"], "must be HOST:PORT"),
+    (["hi", "--num-processes", "0", "--coordinator-address", "h:1234"], "(--num-processes) must be an integer >= 1"),
+    (["hi", "--num-processes", "2", "--coordinator-address", "h:1234", "--process-id", "2"],
+     "(--process-id) must be in 0..1 for 2 processes, got 2"),
+    (["hi", "--process-id", "1"], "--process-id needs --coordinator-address and --num-processes"),
 ])
 def test_bad_input_exits_2_with_one_line(run_cli, argv, message):
     code, out, err = run_cli(*argv, "--max-tokens" if "--max-tokens" not in argv else "--json", *(
@@ -79,6 +86,19 @@ def test_options_are_checked_before_the_model_loads(run_cli, monkeypatch):
                  ["--kv-cache-memory", "1TiB"], ["--n", "2"]):
         code, _, err = run_cli("hi", *argv)
         assert code == 2 and err.startswith("error: ") and "Traceback" not in err, err
+
+
+def test_several_processes_flags_are_checked_before_joining(run_cli, monkeypatch):
+    from jpaged.device import distributed
+
+    def no_join(*args, **kwargs):
+        raise AssertionError("jax.distributed was joined before the flags were checked")
+
+    monkeypatch.setattr(distributed, "initialize", no_join)
+    for argv in (["--num-processes", "3", "--coordinator-address", "h:1", "--process-id", "-1"],
+                 ["--num-processes", "2", "--coordinator-address", "h:1", "--max-tokens", "0"]):
+        code, _, err = run_cli("hi", *argv)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("argv, message", [

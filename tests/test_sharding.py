@@ -6,6 +6,11 @@ of its own (once per session, about 1.5-2 minutes on two cores) and prints what 
 tests below hold it to the one-device references it ran in the same process. The mix: 9 prompts
 (3 sharing a system prompt, prefix caching on), greedy, beam search (width 2), parallel sampling
 (n=2, seeded), and a pool of 10 blocks, so that requests are preempted, by recompute and by swap.
+
+Several processes (`jax.distributed`): `two_processes` starts the worker twice (`--process`), 3 forced
+CPU devices each, as one engine on data parallel 2 x tensor parallel 3 over the 6 global devices
+(gloo collectives, a free local port, killed past a deadline), and holds both to the one-process run
+on 6 devices.
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -30,6 +37,53 @@ def seen():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["num_devices"] == 6
     return result
+
+
+@pytest.fixture(scope="module")
+def two_processes():
+    with socket.socket() as s:  # a free port for process 0's coordinator
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3",
+           "PYTHONPATH": os.pathsep.join([str(WORKER.parent.parent), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--process", f"127.0.0.1:{port}", "2", str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    deadline, results = time.monotonic() + 400, []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            assert proc.returncode == 0, err[-4000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:  # a hang (a process waiting for the other) never stalls the suite
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return results
+
+
+def test_two_processes_give_one_processes_tokens(seen, two_processes):
+    # the one-process reference: the same requests on the same 2 x 3 mesh of 6 devices, at PARAMS' lengths; the
+    # two processes ran greedy and sampled requests to 8 tokens (a prefix of theirs), beam search as it was
+    reference = seen["dp2xtp3_swap"]["tokens"]
+    expected = [[t[:n] for t in r] for r, n in zip(reference, two_processes[0]["max_tokens"])]
+    assert len(expected) >= 8 and [len(r) for r in expected][6:8] == [2, 2]  # with beam search and n=2
+    layers, blocks, block_size, _, head_dim = seen["pool_shape"]
+    for i, run in enumerate(two_processes):
+        assert run["process_id"] == i and run["num_devices"] == 6 and run["local_devices"] == 3
+        assert run["local_pool_shards"] == [[layers, blocks // 2, block_size, 1, head_dim]] * 3  # half the blocks, 1 KV head
+        assert run["tokens"] == expected, f"process {i}"
+        assert run["num_preemptions"] > 0 and "read_blocks" in run["executables"], "meant to swap blocks out"
+        assert run["prefix_cache_hit_rate"] > 0
+        assert run["num_free_blocks"] == run["num_blocks"] - 2
+
+
+def test_cli_on_two_processes_prints_on_process_0_alone(two_processes):
+    first, second = (run["cli"] for run in two_processes)
+    assert first["code"] == second["code"] == 0, (first["stderr"], second["stderr"])
+    summary = json.loads(first["stdout"].splitlines()[-1])["summary"]
+    assert summary["num_devices"] == 6 and summary["output_tokens"] == 2
+    assert second["stdout"] == second["stderr"] == ""
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

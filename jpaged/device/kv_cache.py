@@ -75,7 +75,7 @@ def host_available_bytes() -> Optional[int]:
 
 def device_available_bytes(device=None) -> Optional[int]:
     """The memory a JAX device can still allocate (a CPU device: the host's), or None when unknown."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     if device.platform == "cpu":
         return host_available_bytes()
     stats = device.memory_stats() or {}
@@ -91,7 +91,7 @@ def check_pool_fits(config: ModelConfig, block_size: int, dtype, num_blocks: int
     `num_cpu_blocks` blocks would not fit in `USABLE_FRACTION` of the memory available now. Checked
     before anything is allocated: the pool, and the host state that tracks it."""
     block = bytes_per_block(config, block_size, dtype)
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # this process's (several processes: each checks its own)
     on_host = device.platform == "cpu"  # the device pool, the parameters and the swap pool share host memory
     device_need = num_blocks * block + params_bytes + (num_cpu_blocks * block if on_host else 0)
     available = device_available_bytes(device)

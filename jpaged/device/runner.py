@@ -20,6 +20,11 @@ apart in local ids (global - r * P) and stacks them, and the whole step runs per
 `shard_map` (its own tokens, its own blocks, replicated weights: no collective), the logits
 gathered back into the rows' order at the end. Copy-on-write pairs go to their rank in local ids;
 swaps address the global pool.
+
+Several processes (`jax.distributed`, `jpaged.device.distributed`): the same code on the global
+devices. Every process passes the same host values (rows, block ids, swapped blocks); inputs split
+by rank are placed with `jax.device_put` (jit takes numpy inputs replicated only, there), and what
+comes back to the host (sampled tokens, blocks swapped out) is replicated, so every process reads it.
 """
 
 from __future__ import annotations
@@ -189,6 +194,7 @@ class ModelRunner:
         self.cpu_v = np.zeros(cpu_shape, np.dtype(storage))
         step = functools.partial(_step, config=config, backend=backend)
         copy = functools.partial(_copy_blocks, backend=backend)
+        self._moved = None  # the sharding of blocks moved by a swap (sharded runners)
         if sharding is None:
             self._jits = {
                 "prefill_step": jax.jit(step, donate_argnums=(1,)),
@@ -211,8 +217,10 @@ class ModelRunner:
                 step_in, copy_in = (ps, pool, by_rank, rep), (pool, by_rank)
             else:
                 step_in, copy_in = (ps, pool, rep), (pool, rep)
-            # blocks moved by a swap: as the pool, but any number of them (never split by blocks)
-            moved = jax.sharding.NamedSharding(mesh, P(*(None if i == 1 else a for i, a in enumerate(block.spec))))
+            # blocks moved by a swap: as the pool, but any number of them (never split by blocks); over several
+            # processes, whole on every device, so that each process reads them to its host (its own swap pool)
+            moved = self._moved = jax.sharding.NamedSharding(mesh, P() if jax.process_count() > 1 else P(
+                *(None if i == 1 else a for i, a in enumerate(block.spec))))
             self._jits = {
                 "prefill_step": jax.jit(step, donate_argnums=(1,), in_shardings=step_in, out_shardings=(pool, rep)),
                 "decode_step": jax.jit(step, donate_argnums=(1,), in_shardings=step_in, out_shardings=(pool, rep)),
@@ -357,6 +365,11 @@ class ModelRunner:
         row_index[:len(rows)] = [rank * width + j for rank, j in where]
         return DataParallelInputs(inputs=inputs, row_index=row_index)
 
+    def _by_rank(self, tree):
+        """Host arrays stacked by data rank, placed on their ranks' devices: jit takes numpy inputs
+        replicated only, when the ranks' devices belong to several processes (each has the same values)."""
+        return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, P(self.sharding.rule_map["blocks"])))
+
     def execute(self, rows: Seq, *, decode: bool) -> jax.Array:
         """Runs one step over `rows`; returns the logits f32[padded rows, vocab] (on the device)."""
         return self.run_step(self.make_inputs(rows, decode=decode), decode=decode)
@@ -365,7 +378,8 @@ class ModelRunner:
         """Runs one step over packed `inputs` (`make_inputs`); returns the logits as `execute`."""
         name = "decode_step" if decode else "prefill_step"
         if isinstance(inputs, DataParallelInputs):
-            self.cache, logits = self._run(name, self.params, self.cache, inputs.inputs, inputs.row_index)
+            placed = self._by_rank(inputs.inputs)
+            self.cache, logits = self._run(name, self.params, self.cache, placed, inputs.row_index)
         else:
             self.cache, logits = self._run(name, self.params, self.cache, inputs)
         return logits
@@ -405,6 +419,7 @@ class ModelRunner:
             padded = np.zeros((self.num_partitions, bucket(max(map(len, by_rank))), 2), np.int32)
             for rank, rank_pairs in enumerate(by_rank):
                 padded[rank, :len(rank_pairs)] = rank_pairs or np.zeros((0, 2))
+            padded = self._by_rank(padded)
         else:
             padded = np.zeros((bucket(len(pairs)), 2), np.int32)
             padded[:len(pairs)] = pairs
@@ -432,5 +447,7 @@ class ModelRunner:
         cpu_ids[:len(mapping)], device_ids[:len(mapping)] = zip(*mapping)
         k = self.cpu_k[:, cpu_ids]
         v = self.cpu_v[:, cpu_ids]
+        if self._moved is not None:  # placed as the pool (jit takes numpy inputs replicated only, over processes)
+            k, v = jax.device_put((k, v), self._moved)
         # padded entries write CPU block 0's content into the null block, which nothing reads unmasked
         self.cache = self._run("write_blocks", self.cache, device_ids, k, v)

@@ -103,7 +103,7 @@ class EngineConfig:
                 raise ValueError(f"the mesh (axes {', '.join(map(repr, self.mesh.axis_names))}) lacks the axis "
                                  f"{', '.join(map(repr, missing))} that sharding strategy "
                                  f"{self.sharding.name!r} names")
-        elif tp * dp > jax.device_count():
+        elif tp * dp > 1 and tp * dp > jax.device_count():  # (one device: JAX not started, jax.distributed may come)
             make_mesh(tp, dp)  # raises the one-line error: more devices asked for than exist
         # the scheduler's settings, checked now, before any model is loaded
         SchedulerConfig(max_num_seqs=self.max_num_seqs, preemption_mode=self.preemption_mode, watermark=self.watermark,

@@ -71,11 +71,18 @@ def _manager(path: pathlib.Path, read_only: bool):
     return ocp.CheckpointManager(path, options=options)
 
 
+def _one_process(done: str) -> None:
+    if jax.process_count() > 1:
+        raise ValueError(f"an engine spread over {jax.process_count()} processes (jax.distributed) cannot be {done}: "
+                         "pausing runs in one process")
+
+
 def save(engine, path) -> pathlib.Path:
     """Writes `engine` as the newest save in the directory `path` (made if missing; an existing
     directory must hold paused engines already). Returns the step directory written."""
     import orbax.checkpoint as ocp
 
+    _one_process("saved")
     path = pathlib.Path(path).absolute()
     marker = path / MARKER
     if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not marker.is_file())):
@@ -134,6 +141,7 @@ def restore(cls, path, *, loaded=None, **overrides):
 
     from jpaged.engine.config import EngineConfig
 
+    _one_process("restored")
     path = pathlib.Path(path).absolute()
     step, manifest = read_manifest(path)
     where = path / str(step)

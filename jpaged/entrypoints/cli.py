@@ -3,9 +3,11 @@
 `jpaged generate`: one prompt streams its text as it is produced; several print each completion in
 input order; `--json` prints one JSON object per request and a final `{"summary": ...}` line. The
 summary goes to stderr otherwise. `jpaged serve`: the OpenAI API over HTTP (`server.py`).
-`jpaged convert`: a model as a jpaged checkpoint. Bad input: a one-line `error: ...` on stderr and
-exit status 2, before anything loads; a request that failed in a step: its error on stderr and
-exit status 1.
+`jpaged convert`: a model as a jpaged checkpoint. `jpaged generate --coordinator-address HOST:PORT
+--num-processes N --process-id I`: one of N processes of one engine (`jpaged.device.distributed`);
+process 0 reads the prompts and prints, the others print nothing. Bad input: a one-line
+`error: ...` on stderr and exit status 2, before anything loads; a request that failed in a step:
+its error on stderr and exit status 1.
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(g)
     g.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as given")
     g.add_argument("--json", action="store_true", help="one JSON object per request, then a summary line")
+    g.add_argument("--coordinator-address", metavar="HOST:PORT", default=None,
+                   help="several processes (jax.distributed): process 0's address, where it waits for the others; "
+                   "every process runs the same command with its own --process-id")
+    g.add_argument("--num-processes", type=int, default=1, help="processes taking part (with --coordinator-address)")
+    g.add_argument("--process-id", type=int, default=0,
+                   help="this process's id, 0..N-1: process 0 reads the prompts and prints the outputs; the "
+                   "others take process 0's prompts (their own are ignored) and print nothing")
     v = sub.add_parser("serve", help="serve the OpenAI API (completions, chat completions) over HTTP")
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     v.add_argument("--port", type=int, default=8000)
@@ -171,13 +180,22 @@ def read_prompts(args) -> list[str]:
 
 def generate(args) -> int:
     from jpaged.core.sampling_params import SamplingParams
+    from jpaged.device import distributed
     from jpaged.entrypoints.llm import LLM
 
-    texts = read_prompts(args)
+    several = args.coordinator_address is not None or args.num_processes != 1
+    if several:
+        distributed.check_address(args.coordinator_address, args.num_processes, args.process_id)
+    elif args.process_id != 0:
+        raise ValueError("--process-id needs --coordinator-address and --num-processes (several processes)")
+    first = args.process_id == 0  # several processes: process 0 reads the prompts, the others run them
+    texts = read_prompts(args) if first else []
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, beam_width=args.beam_width)
+    if several:  # joins the others first: the engine's settings are checked against the global devices
+        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
     config = engine_config(args)
-    status = _Status(sys.stderr.isatty())
+    status = _Status(first and sys.stderr.isatty())
     status.say(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
     t0 = time.perf_counter()
     llm = LLM(**dataclasses.asdict(config))
@@ -190,12 +208,16 @@ def generate(args) -> int:
         prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in texts]
     engine = llm.engine
     engine.add_observer(status.observe)
-    stream = len(prompts) == 1 and args.n == 1 and args.beam_width == 1 and not args.json
+    # several processes: every request goes through LLM.generate, which hands process 0's to the others
+    stream = len(prompts) == 1 and args.n == 1 and args.beam_width == 1 and not args.json and not several
     if stream:
         outputs = [_stream(llm, prompts[0], params, status)]
     else:
-        outputs = llm.generate(prompts, params, use_tqdm=not args.json and sys.stderr.isatty())
+        outputs = llm.generate(prompts, params, use_tqdm=first and not args.json and sys.stderr.isatty())
     status.done()
+    failed = [r for r in outputs if r.error is not None]
+    if not first:
+        return 1 if failed else 0
     elapsed = llm.last_run["elapsed_s"]
     stats = engine.stats()
     output_tokens = sum(len(o.token_ids) for r in outputs for o in r.outputs)
@@ -225,7 +247,6 @@ def generate(args) -> int:
               f"KV blocks peak {summary['peak_used_blocks']}/{engine.num_blocks}, KV utilization {util}, "
               f"preemptions {summary['num_preemptions']} (load {load_s:.1f}s, compile {summary['compile_s']:.1f}s)",
               file=sys.stderr)
-    failed = [r for r in outputs if r.error is not None]
     for r in failed:
         print(f"error: request {r.request_id} failed: {r.error}", file=sys.stderr)
     return 1 if failed else 0

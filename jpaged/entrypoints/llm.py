@@ -16,6 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jpaged.core.sampling_params import as_list
+from jpaged.device import distributed
 from jpaged.engine import EngineConfig, LLMEngine, RequestOutput
 from jpaged.weights import LoadedModel
 
@@ -43,14 +44,17 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generates for each prompt (text, or a list of token ids). Every prompt is validated before
-        any runs: a bad one raises ValueError and nothing is queued. Outputs come in input order."""
+        any runs: a bad one raises ValueError and nothing is queued. Outputs come in input order.
+        Several processes (`jpaged.device.distributed`): every process calls it; process 0's prompts and
+        sampling params are run (the others' are ignored) and every process returns the outputs."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1) or (
                 isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]  # one prompt, not a batch
         if self.engine.has_unfinished():
             raise ValueError("the engine has requests in flight that generate() did not queue (engine.add_request): "
                              "run them with engine.step() or abort them first, or use another LLM")
-        prompts = list(prompts)
+        # several processes (`jpaged.device.distributed`): every one runs process 0's requests
+        prompts, sampling_params = distributed.broadcast((list(prompts), sampling_params))
         params = as_list(sampling_params, len(prompts))
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
