@@ -21,6 +21,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -46,19 +47,25 @@ def two_processes():
         port = s.getsockname()[1]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3",
            "PYTHONPATH": os.pathsep.join([str(WORKER.parent.parent), os.environ.get("PYTHONPATH", "")])}
+    # output to files, not pipes: a process blocked on a full pipe would leave the other waiting in a collective
+    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(2)]
     procs = [subprocess.Popen([sys.executable, str(WORKER), "--process", f"127.0.0.1:{port}", "2", str(i)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+                              stdout=out, stderr=err, text=True, env=env) for i, (out, err) in enumerate(logs)]
     deadline, results = time.monotonic() + 400, []
     try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            assert proc.returncode == 0, err[-4000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
+        for proc, (out, err) in zip(procs, logs):
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            out.seek(0), err.seek(0)
+            assert proc.returncode == 0, err.read()[-4000:]
+            results.append(json.loads(out.read().strip().splitlines()[-1]))
     finally:
         for proc in procs:  # a hang (a process waiting for the other) never stalls the suite
             if proc.poll() is None:
                 proc.kill()
-                proc.communicate()
+                proc.wait()
+        for files in logs:
+            for f in files:
+                f.close()
     return results
 
 
