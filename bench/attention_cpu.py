@@ -10,13 +10,15 @@ and two bounds measured in the same run:
   - the read bound: the K/V bytes the step must read divided by the sequential read bandwidth (the
     best of a multi-threaded matrix-vector product and numpy sums on one thread per core, over a
     1 GiB array);
-  - the block-read time: reading the very blocks the step reads, layer by layer, with plain
-    vector loads and no arithmetic, one thread per core (`bench/csrc/block_read.c`, compiled here
-    with the system C compiler for this CPU; skipped without one). Scattered 16-token blocks read
-    slower than one sequential stream, so this is the floor the kernel can reach on this machine.
+  - the block-read time: reading the very blocks the step reads, layer by layer, with vector loads
+    and no arithmetic, one thread per core, the faster of plain loads and loads with each next
+    block's pages touched ahead (`bench/csrc/block_read.c`, compiled here with the system C
+    compiler for this CPU; skipped without one). Scattered blocks read slower than one sequential
+    stream: this is what reading them costs here before any arithmetic.
 It also checks the two backends agree.
 
     python bench/attention_cpu.py [--quick] [--reps 5] [--out bench/results]   # attention_cpu{,_quick}.json/.png
+    python bench/attention_cpu.py --quick --dtypes float32 --block-sizes 16,32,64   # attention_cpu_block_sizes_quick
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import numpy as np  # noqa: E402
 from bench import common  # noqa: E402
 from bench.vs_peers import machine_info as cpu_info  # noqa: E402
 
-LAYERS, KV_HEADS, HEADS, HEAD_DIM, BLOCK = 30, 3, 9, 64, 16
+LAYERS, KV_HEADS, HEADS, HEAD_DIM = 30, 3, 9, 64
 FULL = [(16, 480), (64, 480), (120, 128), (120, 480), (120, 1024), (120, "mixed")]
 QUICK = [(16, 480), (64, 480), (120, 480)]
 
@@ -80,36 +82,38 @@ def build_block_reader():
         return None
     read = ctypes.CDLL(str(library)).read_chunks
     read.restype = ctypes.c_float
-    read.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+    read.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int]
     return read
 
 
-def block_read_ms(read, k, v, tables, lens, reps: int) -> tuple[float, int]:
-    """(median ms, bytes) of reading, layer by layer and row by row, each row's K and V blocks (the
-    slots its context fills) with `read`, the rows shared out over one thread per core."""
-    itemsize = k.dtype.itemsize
-    token = KV_HEADS * HEAD_DIM * itemsize
-    block = BLOCK * token
-    num_blocks = k.shape[1]
-    chunks = [((layer * num_blocks + b) * block, min(BLOCK, int(n) - BLOCK * j) * token)
+def block_read_ms(read, k, v, tables, lens, reps: int) -> tuple[dict, int]:
+    """({"plain": ms, "prefetch": ms}, bytes): the median time of reading, layer by layer and row by
+    row, each row's K and V blocks (the slots its context fills) with `read`, the rows shared out over
+    one thread per core, with plain loads and with each next block's pages touched ahead."""
+    num_blocks, block_size = k.shape[1:3]
+    token = KV_HEADS * HEAD_DIM * k.dtype.itemsize
+    block = block_size * token
+    chunks = [((layer * num_blocks + b) * block, min(block_size, int(n) - block_size * j) * token)
               for layer in range(LAYERS) for n, table in zip(lens, tables) for j, b in enumerate(table)]
     offsets, sizes = (np.ascontiguousarray(a, np.int64) for a in zip(*chunks))
     parts = np.array_split(np.arange(len(chunks)), os.cpu_count() or 1)
     k_ptr, v_ptr = k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()
 
-    def run(part):
-        read(k_ptr, v_ptr, offsets[part[0]:].ctypes.data, sizes[part[0]:].ctypes.data, len(part))
+    def run(part, prefetch):
+        read(k_ptr, v_ptr, offsets[part[0]:].ctypes.data, sizes[part[0]:].ctypes.data, len(part), prefetch)
 
-    times = []
-    for _ in range(reps + 1):  # the first warms the page tables
-        threads = [threading.Thread(target=run, args=(part,)) for part in parts if len(part)]
-        t = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times[1:])), 2 * int(sizes.sum())
+    times = {"plain": [], "prefetch": []}
+    for r in range(reps + 1):  # the first round warms the page tables
+        for mode in times:
+            threads = [threading.Thread(target=run, args=(part, mode == "prefetch")) for part in parts if len(part)]
+            t = time.perf_counter()
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            if r:
+                times[mode].append(time.perf_counter() - t)
+    return {mode: 1e3 * float(np.median(t)) for mode, t in times.items()}, 2 * int(sizes.sum())
 
 
 def context_lengths(rows: int, context, rng) -> np.ndarray:
@@ -118,21 +122,21 @@ def context_lengths(rows: int, context, rng) -> np.ndarray:
     return np.full(rows, context)
 
 
-def make_case(rows: int, context, dtype: str, rng):
+def make_case(rows: int, context, dtype: str, rng, block_size: int = 16):
     """(pools, per-row block tables, context lengths) with every block of every row at a random place."""
     import jax.numpy as jnp
 
     from jpaged.device.attention.xla import storage_dtype
 
     lens = context_lengths(rows, context, rng)
-    blocks = [-(-int(n) // BLOCK) for n in lens]
+    blocks = [-(-int(n) // block_size) for n in lens]
     num_blocks = sum(blocks) + 1
     order = rng.permutation(np.arange(1, num_blocks))
     tables, start = [], 0
     for n in blocks:
         tables.append(order[start:start + n].tolist())
         start += n
-    shape = (LAYERS, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    shape = (LAYERS, num_blocks, block_size, KV_HEADS, HEAD_DIM)
     k = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
     v = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
     store = storage_dtype(dtype)
@@ -155,7 +159,7 @@ def step_fn(backend, inputs):
     return jax.jit(step)
 
 
-def run_case(rows, context, dtype, reps, bandwidth, rng, reader=None, log=print) -> dict:
+def run_case(rows, context, dtype, reps, bandwidth, rng, reader=None, block_size=16, log=print) -> dict:
     import jax
 
     from jpaged.device.attention.native import NativeBackend, available_variants
@@ -163,9 +167,9 @@ def run_case(rows, context, dtype, reps, bandwidth, rng, reader=None, log=print)
     from jpaged.device.batch import pack_rows
     from jpaged.device.model import _Row
 
-    k, v, tables, lens = make_case(rows, context, dtype, rng)
+    k, v, tables, lens = make_case(rows, context, dtype, rng, block_size)
     packed = [_Row([0], int(n) - 1, [0], table) for n, table in zip(lens, tables)]
-    inputs = pack_rows(packed, block_size=BLOCK, q_tile=1, k_tile=64)  # the runner's decode tiles
+    inputs = pack_rows(packed, block_size=block_size, q_tile=1, k_tile=64)  # the runner's decode tiles
     q = rng.standard_normal((len(inputs.token_ids), HEADS, HEAD_DIM), np.float32)  # padded rows: see nothing
     fns = {"native": step_fn(NativeBackend(), inputs), "xla": step_fn(XLABackend(), inputs)}
     outs = {name: jax.block_until_ready(fn(q, k, v)) for name, fn in fns.items()}  # compile
@@ -179,19 +183,23 @@ def run_case(rows, context, dtype, reps, bandwidth, rng, reader=None, log=print)
     read_bytes = int(lens.sum()) * LAYERS * 2 * KV_HEADS * HEAD_DIM * itemsize
     ms = {name: 1e3 * float(np.median(t)) for name, t in times.items()}
     bound = 1e3 * read_bytes / bandwidth
-    blocks_ms = None
+    blocks_ms, blocks_modes = None, {}
     if reader is not None:
-        blocks_ms, blocks_bytes = block_read_ms(reader, k, v, tables, lens, reps)
+        blocks_modes, blocks_bytes = block_read_ms(reader, k, v, tables, lens, reps)
         assert blocks_bytes == read_bytes, (blocks_bytes, read_bytes)
+        blocks_ms = min(blocks_modes.values())  # the faster way of reading them
     diff = float(np.abs(np.asarray(outs["native"][:rows]) - np.asarray(outs["xla"][:rows])).max())
-    result = dict(rows=rows, context=context, dtype=dtype, mean_context=float(lens.mean()), read_bytes=read_bytes,
+    result = dict(rows=rows, context=context, dtype=dtype, block_size=block_size, mean_context=float(lens.mean()),
+                  read_bytes=read_bytes,
                   read_bound_ms=bound, native_ms=ms["native"], xla_ms=ms["xla"],
                   native_over_bound=ms["native"] / bound, xla_over_native=ms["xla"] / ms["native"],
                   block_read_ms=blocks_ms, native_over_block_read=blocks_ms and ms["native"] / blocks_ms,
+                  block_read_modes_ms=blocks_modes,
                   max_abs_difference=diff, native_variant=available_variants()[0],
                   runs_ms={name: [1e3 * s for s in t] for name, t in times.items()})
     blocks = f"  block read {blocks_ms:7.1f}" if blocks_ms else ""
-    log(f"  {rows:>4} rows x {str(context):>6} {dtype:<8}  bound {bound:7.1f} ms{blocks}  native {ms['native']:7.1f}  "
+    log(f"  {rows:>4} rows x {str(context):>6} {dtype:<8} blocks of {block_size:<3} bound {bound:7.1f} ms{blocks}  "
+        f"native {ms['native']:7.1f}  "
         f"xla {ms['xla']:8.1f}  native/bound {result['native_over_bound']:.2f}  xla/native "
         f"{result['xla_over_native']:.1f}x  |diff| {diff:.1e}")
     return result
@@ -206,7 +214,8 @@ def plot(out: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(out["dtypes"]), figsize=(6 * len(out["dtypes"]), 4), squeeze=False)
     for ax, dtype in zip(axes[0], out["dtypes"]):
         cases = [c for c in out["cases"] if c["dtype"] == dtype]
-        labels = [f"{c['rows']}x{c['context']}" for c in cases]
+        labels = [f"{c['rows']}x{c['context']}" + (f"\n/{c['block_size']}" if len(out["block_sizes"]) > 1 else "")
+                  for c in cases]
         x = np.arange(len(cases))
         bars = [("read_bound_ms", "read bound (sequential bandwidth)"),
                 ("block_read_ms", "reading the same blocks, no arithmetic"),
@@ -230,12 +239,14 @@ def plot(out: dict, path: Path) -> None:
 
 def print_table(out: dict) -> None:
     print(f"\nbandwidth {out['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s; ms per decode step of {LAYERS} layers")
-    print("| pool | rows | context | read bound | block read | native | XLA | native / bound | native / block read "
-          "| XLA / native |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| pool | rows | context | block size | read bound | block read | native | XLA | native / bound "
+          "| native / block read | XLA / native |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for c in out["cases"]:
-        blocks = (f"{c['block_read_ms']:.0f}", f"{c['native_over_block_read']:.2f}") if c["block_read_ms"] else ("-",) * 2
-        print(f"| {c['dtype']} | {c['rows']} | {c['context']} | {c['read_bound_ms']:.0f} | {blocks[0]} | "
+        blocks = ((f"{c['block_read_ms']:.0f}", f"{c['native_over_block_read']:.2f}") if c["block_read_ms"]
+                  else ("-", "-"))
+        print(f"| {c['dtype']} | {c['rows']} | {c['context']} | {c['block_size']} | {c['read_bound_ms']:.0f} | "
+              f"{blocks[0]} | "
               f"{c['native_ms']:.0f} | {c['xla_ms']:.0f} | {c['native_over_bound']:.2f} | {blocks[1]} | "
               f"{c['xla_over_native']:.1f}x |")
 
@@ -244,6 +255,8 @@ def main(argv=None) -> dict:
     parser = common.bench_parser(__doc__.splitlines()[0], f"cases {QUICK} (default {FULL})")
     parser.add_argument("--reps", type=int, default=5, help="timed runs per backend and case")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="pool dtypes, comma-separated")
+    parser.add_argument("--block-sizes", default="16", help="tokens per KV block, comma-separated (default 16; "
+                        "others write attention_cpu_block_sizes*.json)")
     args = parser.parse_args(argv)
     common.use_compile_cache(args)
     start = time.perf_counter()
@@ -256,12 +269,14 @@ def main(argv=None) -> dict:
           f"numpy threads {bandwidth['numpy_threads'] / 1e9:.1f})")
     dtypes = args.dtypes.split(",")
     reader = build_block_reader()
-    cases = [run_case(rows, context, dtype, args.reps, bandwidth["bytes_per_s"], rng, reader)
-             for dtype in dtypes for rows, context in (QUICK if args.quick else FULL)]
+    block_sizes = [int(b) for b in args.block_sizes.split(",")]
+    cases = [run_case(rows, context, dtype, args.reps, bandwidth["bytes_per_s"], rng, reader, block_size)
+             for dtype in dtypes for rows, context in (QUICK if args.quick else FULL) for block_size in block_sizes]
     machine = {**common.machine_info(), "cpu": cpu_info()}  # the CPU model, its vector ISA and whether it has AMX
-    out = dict(machine=machine, bandwidth=bandwidth, dtypes=dtypes, cases=cases, reps=args.reps)
-    return common.report(out, Path(args.out), common.results_stem("attention_cpu", args.quick), start, plot,
-                         print_table)
+    out = dict(machine=machine, bandwidth=bandwidth, dtypes=dtypes, block_sizes=block_sizes, cases=cases,
+               reps=args.reps)
+    name = "attention_cpu" if block_sizes == [16] else "attention_cpu_block_sizes"
+    return common.report(out, Path(args.out), common.results_stem(name, args.quick), start, plot, print_table)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ def run(num_requests: int, max_tokens: int, rounds: int, log=print) -> dict:
             speed_vs_float32=sorted(speed[dtype])[rounds // 2] / sorted(speed["float32"])[rounds // 2],
             identical_requests=sum(p == max_tokens for p in prefix), mean_matching_prefix=sum(prefix) / len(prefix),
             pool_storage=str(engine.runner.cache.k.dtype), parameters=str(engine.model.params.embed.dtype),
+            attention_backend=engine.runner.backend.name,  # what 'auto' chose
             pool_bytes=int(engine.runner.cache.k.nbytes * 2))
     return results
 
@@ -93,10 +94,11 @@ def main(argv=None) -> dict:
                results=results)
 
     def print_table(out):
-        print(f"{'dtype':<10}{'tokens/s':>9}{'x f32':>7}{'same':>6}{'prefix':>8}  pool storage, parameters")
+        print(f"{'dtype':<10}{'tokens/s':>9}{'x f32':>7}{'same':>6}{'prefix':>8}  pool storage, parameters, attention")
         for dtype, r in out["results"].items():
             print(f"{dtype:<10}{r['tokens_per_s']:9.1f}{r['speed_vs_float32']:7.2f}{r['identical_requests']:6d}"
-                  f"{r['mean_matching_prefix']:8.1f}  {r['pool_storage']}, {r['parameters']}")
+                  f"{r['mean_matching_prefix']:8.1f}  {r['pool_storage']}, {r['parameters']}, "
+                  f"{r.get('attention_backend', '?')}")
 
     return common.report(out, args.out, common.results_stem("kv_dtype", args.quick), start, plot, print_table)
 
