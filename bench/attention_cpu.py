@@ -24,6 +24,7 @@ It also checks the two backends agree.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import subprocess
 import sys
@@ -45,6 +46,17 @@ FULL = [(16, 480), (64, 480), (120, 128), (120, 480), (120, 1024), (120, "mixed"
 QUICK = [(16, 480), (64, 480), (120, 480)]
 
 
+def seconds_on_threads(calls) -> float:
+    """Wall seconds to run each of `calls` (argument-free callables) on a thread of its own, at once."""
+    threads = [threading.Thread(target=call) for call in calls]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return time.perf_counter() - t
+
+
 def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> dict:
     """Read bandwidth (bytes/s) of this machine now: the best of a BLAS matrix-vector product (its
     own threads) and numpy sums on one thread per core, each over `gib` GiB of float32."""
@@ -56,15 +68,7 @@ def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> dict:
         x @ ones
         gemv.append(x.nbytes / (time.perf_counter() - t))
     parts = np.array_split(x, os.cpu_count() or 1)
-    threaded = []
-    for _ in range(reps):
-        threads = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
-        t = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        threaded.append(x.nbytes / (time.perf_counter() - t))
+    threaded = [x.nbytes / seconds_on_threads([functools.partial(np.sum, p) for p in parts]) for _ in range(reps)]
     return dict(bytes_per_s=max(max(gemv), max(threaded)), gemv=max(gemv), numpy_threads=max(threaded))
 
 
@@ -72,15 +76,16 @@ def build_block_reader():
     """`read_chunks` of bench/csrc/block_read.c, compiled for this CPU into a temporary folder, or None
     (with a line saying why) where no C compiler builds it."""
     source = Path(__file__).resolve().parent / "csrc" / "block_read.c"
-    library = Path(tempfile.mkdtemp(prefix="jpaged-bench-")) / "block_read.so"
     compiler = os.environ.get("CC", "cc")
-    try:
-        subprocess.run([compiler, "-O2", "-march=native", "-shared", "-fPIC", str(source), "-o", str(library)],
-                       check=True, capture_output=True, timeout=120)
-    except (OSError, subprocess.SubprocessError) as error:
-        print(f"block-read bound skipped: {compiler} could not build {source.name} ({error})")
-        return None
-    read = ctypes.CDLL(str(library)).read_chunks
+    with tempfile.TemporaryDirectory(prefix="jpaged-bench-") as folder:  # loaded, the library needs no file
+        library = Path(folder) / "block_read.so"
+        try:
+            subprocess.run([compiler, "-O2", "-march=native", "-shared", "-fPIC", str(source), "-o", str(library)],
+                           check=True, capture_output=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as error:
+            print(f"block-read bound skipped: {compiler} could not build {source.name} ({error})")
+            return None
+        read = ctypes.CDLL(str(library)).read_chunks
     read.restype = ctypes.c_float
     read.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int]
     return read
@@ -88,8 +93,9 @@ def build_block_reader():
 
 def block_read_ms(read, k, v, tables, lens, reps: int) -> tuple[dict, int]:
     """({"plain": ms, "prefetch": ms}, bytes): the median time of reading, layer by layer and row by
-    row, each row's K and V blocks (the slots its context fills) with `read`, the rows shared out over
-    one thread per core, with plain loads and with each next block's pages touched ahead."""
+    row, each row's K and V blocks (the slots its context fills) with `read`, that list cut into one
+    contiguous part per core, each on its own thread; with plain loads and with each next block's
+    pages touched ahead."""
     num_blocks, block_size = k.shape[1:3]
     token = KV_HEADS * HEAD_DIM * k.dtype.itemsize
     block = block_size * token
@@ -105,14 +111,10 @@ def block_read_ms(read, k, v, tables, lens, reps: int) -> tuple[dict, int]:
     times = {"plain": [], "prefetch": []}
     for r in range(reps + 1):  # the first round warms the page tables
         for mode in times:
-            threads = [threading.Thread(target=run, args=(part, mode == "prefetch")) for part in parts if len(part)]
-            t = time.perf_counter()
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
+            calls = [functools.partial(run, part, mode == "prefetch") for part in parts if len(part)]
+            seconds = seconds_on_threads(calls)
             if r:
-                times[mode].append(time.perf_counter() - t)
+                times[mode].append(seconds)
     return {mode: 1e3 * float(np.median(t)) for mode, t in times.items()}, 2 * int(sizes.sum())
 
 
