@@ -124,11 +124,13 @@ def context_lengths(rows: int, context, rng) -> np.ndarray:
     return np.full(rows, context)
 
 
-def make_case(rows: int, context, dtype: str, rng, block_size: int = 16):
+def make_case(rows: int, context, dtype: str, rng, block_size: int = 16, huge_pages: bool = True):
     """(pools, per-row block tables, context lengths) with every block of every row at a random place."""
+    import jax
     import jax.numpy as jnp
 
     from jpaged.device.attention.xla import storage_dtype
+    from jpaged.device.kv_cache import KVCache, back_with_huge_pages
 
     lens = context_lengths(rows, context, rng)
     blocks = [-(-int(n) // block_size) for n in lens]
@@ -139,12 +141,21 @@ def make_case(rows: int, context, dtype: str, rng, block_size: int = 16):
         tables.append(order[start:start + n].tolist())
         start += n
     shape = (LAYERS, num_blocks, block_size, KV_HEADS, HEAD_DIM)
-    k = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
-    v = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
     store = storage_dtype(dtype)
-    if store != k.dtype:  # bfloat16 pools are stored as their bits (see jpaged.device.attention.xla)
-        import jax
-        k, v = jax.lax.bitcast_convert_type(k, store), jax.lax.bitcast_convert_type(v, store)
+    # as the engine's runner builds its pool: zeros on huge pages (jpaged.device.kv_cache), written in place
+    cache = KVCache(k=jnp.zeros(shape, store), v=jnp.zeros(shape, store))
+    if huge_pages:
+        back_with_huge_pages(cache)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def fill(pool, values):
+        values = values.astype(dtype)
+        if store != values.dtype:  # bfloat16 pools are stored as their bits (see jpaged.device.attention.xla)
+            values = jax.lax.bitcast_convert_type(values, store)
+        return jax.lax.dynamic_update_slice(pool, values, (0,) * len(shape))
+
+    k = fill(cache.k, rng.standard_normal(shape, np.float32))
+    v = fill(cache.v, rng.standard_normal(shape, np.float32))
     return k, v, tables, lens
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import jax
+import numpy as np
 import pytest
 
 from jpaged.device.attention import native
@@ -42,3 +43,47 @@ def test_compiled_step_updates_the_pool_in_place(decode, backend):
     layer_slices = [line for line in hlo.splitlines()
                     if re.search(rf"= f32\[{NUM_BLOCKS},{BLOCK_SIZE},{CONFIG.num_kv_heads},{CONFIG.head_dim}\]", line)]
     assert layer_slices == [], layer_slices  # no whole layer of the pool is ever materialised
+
+
+def _huge_page_kib(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            span = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if span:
+                inside = int(span[1], 16) <= address < int(span[2], 16)
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _transparent_huge_pages() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _transparent_huge_pages(), reason="Linux with transparent huge pages")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pool_lies_on_huge_pages_and_keeps_its_buffer(backend):
+    """The runner asks for huge pages under its pool (`back_with_huge_pages`); a step writes a block in
+    place, that block's memory is then a huge page, and every other value is still zero."""
+    num_blocks = 4001  # 12 MiB per pool: several whole huge pages
+    runner = ModelRunner(CONFIG, init_params(CONFIG, jax.random.key(0)), num_blocks=num_blocks, block_size=BLOCK_SIZE,
+                         backend=XLABackend() if backend == "xla" else native.NativeBackend())
+    address = runner.cache.k.unsafe_buffer_pointer()
+    block = 3000  # well inside the pool, past its first 2 MiB boundary (layer 0's copy of it)
+    block_address = address + block * runner.cache.k[0, 0].nbytes
+    assert _huge_page_kib(block_address) == 0  # nothing written yet: the advised pages were handed back
+    runner.execute([Row([5, 6, 7], 0, [block * BLOCK_SIZE + i for i in range(3)], [block])], decode=False)
+    k = runner.cache.k
+    assert k.unsafe_buffer_pointer() == address  # the donated buffer, updated in place
+    assert _huge_page_kib(block_address) >= 2048
+    k = np.array(k)
+    assert np.abs(k[:, block, :3]).min() > 0  # the prompt's keys (RoPE'd projections: no exact zeros)
+    k[:, block, :3] = 0
+    k[:, 0] = 0  # the null block: the padded tokens' slots
+    assert not k.any()  # everything else reads zero, as before the pages were handed back

@@ -14,9 +14,12 @@ out of it (a slice is a copy).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
+import platform
 import re
+import sys
 from typing import Optional
 
 import jax
@@ -40,6 +43,46 @@ class KVCache:
     def create(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32) -> "KVCache":
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+# Linux's madvise(2) advice numbers (asm-generic, the same on x86-64 and AArch64)
+_MADV_DONTNEED, _MADV_HUGEPAGE = 4, 14
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def back_with_huge_pages(cache: KVCache) -> int:
+    """Asks Linux to back a new pool's host memory with transparent huge pages (2 MiB); returns how
+    many bytes were advised: 0 on devices that are not CPUs, off Linux, or if the kernel refuses.
+
+    Why: attention reads a step's blocks scattered over the whole pool, a few KiB per (layer, block).
+    With 4 KiB pages each of those runs crosses pages whose translations miss the TLB, and the
+    hardware prefetchers stop at every page boundary. XLA allocates with malloc, which uses 4 KiB
+    pages unless told otherwise (numpy, for one, asks for huge pages). See `bench/README.md` for
+    what this buys the native CPU kernel.
+
+    How: for each CPU buffer, madvise MADV_HUGEPAGE over its 2 MiB-aligned interior, then
+    MADV_DONTNEED, which hands its zero-filled pages back. Each 2 MiB region then faults in as one
+    zeroed huge page at its first write, and reads before that see zeros. The values are unchanged
+    only because the pool is all zeros: call this on a freshly zeroed pool, never on one holding
+    blocks. It waits for the pool's buffers to be ready, so no computation is writing them.
+    """
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"):
+        return 0
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    advised = 0
+    for array in (cache.k, cache.v):
+        for shard in array.addressable_shards:
+            if shard.device.platform != "cpu":
+                continue
+            buffer = shard.data.block_until_ready()
+            address = buffer.unsafe_buffer_pointer()
+            start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+            end = (address + buffer.nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+            if end > start and madvise(start, end - start, _MADV_HUGEPAGE) == 0:
+                madvise(start, end - start, _MADV_DONTNEED)  # the pages hold zeros: nothing is lost
+                advised += end - start
+    return advised
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:

@@ -41,7 +41,7 @@ import numpy as np
 
 from jpaged.device.batch import DataParallelInputs, ModelInputs, bucket, pack_rows, row_bucket, stack_inputs
 from jpaged.device.config import ModelConfig
-from jpaged.device.kv_cache import KVCache
+from jpaged.device.kv_cache import KVCache, back_with_huge_pages
 from jpaged.device.model import compute_logits, forward
 from jpaged.device.params import LlamaParams
 from jpaged.device.sampler import SamplingInputs, sample
@@ -237,15 +237,18 @@ class ModelRunner:
 
     def _new_pool(self, shape, dtype, k=None, v=None) -> KVCache:
         """A pool of `shape` (zeros, or the host arrays `k`, `v`), placed as the strategy says."""
+        if k is not None:
+            if self.sharding is None:
+                return KVCache(k=jnp.asarray(k), v=jnp.asarray(v))
+            block = self.sharding.pool_sharding(self.mesh)
+            return KVCache(k=jax.device_put(k, block), v=jax.device_put(v, block))
         if self.sharding is None:
-            if k is None:
-                return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-            return KVCache(k=jnp.asarray(k), v=jnp.asarray(v))
-        block = self.sharding.pool_sharding(self.mesh)
-        if k is None:  # built in place, each device its own shard (never the whole pool on one device)
-            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=block)
-            return KVCache(k=zeros(), v=zeros())
-        return KVCache(k=jax.device_put(k, block), v=jax.device_put(v, block))
+            cache = KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        else:  # built in place, each device its own shard (never the whole pool on one device)
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.sharding.pool_sharding(self.mesh))
+            cache = KVCache(k=zeros(), v=zeros())
+        back_with_huge_pages(cache)  # on CPUs: attention reads blocks scattered over the pool
+        return cache
 
     @property
     def devices(self) -> tuple:
