@@ -154,6 +154,11 @@ struct WorkItem {
   bool all_heads = false;  // every KV head at once (the vector path; kv_head unused)
 };
 
+// The keys a work item reads: positions 0 .. ItemKeys - 1 of its row.
+inline int64_t ItemKeys(const Problem& p, const WorkItem& item) {
+  return p.context[item.row] - p.q_len[item.row] + item.chunk_start + item.chunk_len;
+}
+
 // ---- the generic path: any head_dim and group size ---------------------------------------------
 //
 // One work item is a chunk of query tokens of one row against one KV head; scores one by one.
@@ -334,9 +339,11 @@ inline float AddLanes(VF x) {
 // Per tile of 16 keys and query token: the scores of every query head (K read token by token, all
 // heads, in address order), then the online softmax of every query head together (independent
 // chains the CPU overlaps), then the outputs KV head by KV head. The tile kPrefetchTiles ahead is
-// prefetched one token per key of the score loop, so the requests spread over the tile's work.
+// prefetched one token per key of the score loop, so the requests spread over the tile's work;
+// past the item's last tile, that is the first tiles of `next`, the item this thread runs next
+// (if any), so that a row's first blocks do not wait on memory either.
 template <PoolType T, int C, int G>
-bool RunRowChunk(const Problem& p, const WorkItem& item) {
+bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
   constexpr int D = C * 16;
   constexpr int64_t elem = T == PoolType::kF32 ? 4 : 2;
   const int64_t H = p.H, KVH = p.KVH, Q = item.chunk_len;
@@ -346,6 +353,9 @@ bool RunRowChunk(const Problem& p, const WorkItem& item) {
   const int64_t first_row = p.q_start[item.row] + item.chunk_start;  // the chunk's first token in q
   const int64_t first_pos = p.context[item.row] - p.q_len[item.row] + item.chunk_start;  // and its position
   const int64_t keys = first_pos + Q;  // the chunk reads positions 0 .. keys - 1
+  const int64_t tiles = (keys + kTile - 1) / kTile;
+  const int32_t* next_table = next ? p.tables + static_cast<int64_t>(next->row) * p.M : nullptr;
+  const int64_t next_keys = next ? ItemKeys(p, *next) : 0;
 
   // per (query token, query head): scaled query, running max / sum, unnormalised output
   std::vector<VF> qv(Q * H * C), acc(Q * H * C, VF{});
@@ -357,7 +367,8 @@ bool RunRowChunk(const Problem& p, const WorkItem& item) {
   }
   int64_t offsets[kTile];  // of each key's token (head 0) in the pool
   std::vector<VF> partial(H * kTile);     // [query head][key]: partial products of a tile's scores
-  std::vector<float> probs(H * kTile), alpha(H);
+  std::vector<float> probs(H * kTile), alpha(H), m_new(H);
+  std::vector<VF> tile_scores(H);
   for (int64_t tile = 0; tile < keys; tile += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, keys - tile));
     for (int t = 0; t < n; ++t) {
@@ -366,12 +377,16 @@ bool RunRowChunk(const Problem& p, const WorkItem& item) {
       if (block < 0 || block >= p.NB) return false;
       offsets[t] = p.layer_offset + block * block_stride + (pos % p.BS) * token_stride;
     }
-    // the tokens kPrefetchTiles ahead (prefetched in the score loop below)
+    // the tokens kPrefetchTiles ahead (prefetched in the score loop below): this item's, or next's
     int64_t ahead[kTile];
     int ahead_n = 0;
-    for (int64_t pos = tile + kPrefetchTiles * kTile;
-         pos < std::min<int64_t>(tile + (kPrefetchTiles + 1) * kTile, keys); ++pos) {
-      const int64_t block = table[pos / p.BS];
+    const int64_t ahead_tile = tile / kTile + kPrefetchTiles;
+    const bool in_next = ahead_tile >= tiles;
+    const int32_t* ahead_table = in_next ? next_table : table;
+    const int64_t ahead_start = (in_next ? ahead_tile - tiles : ahead_tile) * kTile;
+    const int64_t ahead_end = ahead_table ? std::min(ahead_start + kTile, in_next ? next_keys : keys) : 0;
+    for (int64_t pos = ahead_start; pos < ahead_end; ++pos) {
+      const int64_t block = ahead_table[pos / p.BS];
       if (block < 0 || block >= p.NB) break;
       ahead[ahead_n++] = (p.layer_offset + block * block_stride + (pos % p.BS) * token_stride) * elem;
     }
@@ -403,17 +418,32 @@ bool RunRowChunk(const Problem& p, const WorkItem& item) {
           for (int64_t j = 0; j < H; ++j) partial[j * kTile + t] = VF{};
         }
       }
-      // the online softmax of every query head
+      // the online softmax of every query head: each head's scores and new running maximum, then
+      // the rescale factors exp(m_old - m_new) of 16 heads per vector exp (0 before the first key),
+      // then the probabilities
       for (int64_t j = 0; j < H; ++j) {
         VF scores = SumLanes16(&partial[j * kTile]);
         if (visible < kTile) scores = kLanes < visible ? scores : Splat(kNegInf);
-        const float m_old = m[i * H + j];
-        const float m_new = std::max(m_old, MaxLanes(scores));
-        alpha[j] = m_old == kNegInf ? 0.0f : ExpNonPositive(m_old - m_new);
-        VF pr = ExpNonPositive16(scores - m_new);
+        tile_scores[j] = scores;
+        m_new[j] = std::max(m[i * H + j], MaxLanes(scores));
+      }
+      for (int64_t j0 = 0; j0 < H; j0 += 16) {
+        const int64_t heads = std::min<int64_t>(16, H - j0);
+        VF diff{};
+        VI fresh{};
+        for (int64_t j = 0; j < heads; ++j) {
+          const float m_old = m[i * H + j0 + j];
+          fresh[j] = m_old == kNegInf;
+          diff[j] = m_old == kNegInf ? 0.0f : m_old - m_new[j0 + j];
+        }
+        const VF a = fresh != 0 ? VF{} : ExpNonPositive16(diff);
+        for (int64_t j = 0; j < heads; ++j) alpha[j0 + j] = a[j];
+      }
+      for (int64_t j = 0; j < H; ++j) {
+        VF pr = ExpNonPositive16(tile_scores[j] - m_new[j]);
         if (visible < kTile) pr = kLanes < visible ? pr : VF{};
         l[i * H + j] = l[i * H + j] * alpha[j] + AddLanes(pr);
-        m[i * H + j] = m_new;
+        m[i * H + j] = m_new[j];
         std::memcpy(&probs[j * kTile], &pr, sizeof pr);
       }
       // outputs: KV head by KV head
@@ -448,7 +478,7 @@ bool RunRowChunk(const Problem& p, const WorkItem& item) {
 
 // The vector path's kernel for this problem (head_dim 64 or 128, 1-8 query heads per KV head),
 // or null where the generic path serves it.
-using ChunkFn = bool (*)(const Problem&, const WorkItem&);
+using ChunkFn = bool (*)(const Problem&, const WorkItem&, const WorkItem* next);
 
 template <PoolType T, int C>
 ChunkFn ChunkKernelFor(int64_t G) {
@@ -492,15 +522,18 @@ struct Work {
   std::mutex mu;
   std::condition_variable finished;
 
-  // Claims and runs items until none are left. Threads that start late find none and return:
-  // they never touch the buffers, which live only until the handler returns.
+  // Claims and runs items until none are left, each claimed one item ahead so that the vector path
+  // can prefetch the start of the next while it finishes the current. Threads that start late find
+  // none and return: they never touch the buffers, which live only until the handler returns.
   void Drain() {
     std::vector<float> buffer;
     const ChunkFn vector_path = ChunkKernel(problem);
     const int64_t total = static_cast<int64_t>(items.size());
-    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+    for (int64_t i = next.fetch_add(1), j; i < total; i = j) {
+      j = next.fetch_add(1);
       const WorkItem& item = items[i];
-      const bool ok = item.all_heads ? vector_path(problem, item) : RunItem(problem, item, buffer);
+      const WorkItem* after = j < total ? &items[j] : nullptr;
+      const bool ok = item.all_heads ? vector_path(problem, item, after) : RunItem(problem, item, buffer);
       if (!ok) bad_block = true;
       if (done.fetch_add(1) + 1 == total) {
         std::lock_guard<std::mutex> lock(mu);
