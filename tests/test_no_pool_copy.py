@@ -13,6 +13,7 @@ import pytest
 from jpaged.device.attention import native
 from jpaged.device.attention.xla import XLABackend
 from jpaged.device.config import ModelConfig
+from jpaged.device.kv_cache import HUGE_PAGE_BYTES
 from jpaged.device.params import init_params
 from jpaged.device.runner import ModelRunner
 from jpaged.core.scheduler import Row
@@ -45,17 +46,11 @@ def test_compiled_step_updates_the_pool_in_place(decode, backend):
     assert layer_slices == [], layer_slices  # no whole layer of the pool is ever materialised
 
 
-def _huge_page_kib(address: int) -> int:
-    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            span = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
-            if span:
-                inside = int(span[1], 16) <= address < int(span[2], 16)
-            elif inside and line.startswith("AnonHugePages:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
+def _present(address: int) -> bool:
+    """Whether the 4 KiB page holding `address` is mapped (/proc/self/pagemap, bit 63)."""
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(address // 4096 * 8)
+        return bool(int.from_bytes(f.read(8), "little") >> 63)
 
 
 def _transparent_huge_pages() -> bool:
@@ -69,19 +64,23 @@ def _transparent_huge_pages() -> bool:
 @pytest.mark.skipif(not _transparent_huge_pages(), reason="Linux with transparent huge pages")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pool_lies_on_huge_pages_and_keeps_its_buffer(backend):
-    """The runner asks for huge pages under its pool (`back_with_huge_pages`); a step writes a block in
-    place, that block's memory is then a huge page, and every other value is still zero."""
+    """The runner asks for huge pages under its pool (`back_with_huge_pages`): its zero-filled pages are
+    handed back, a step's write to one block maps the whole 2 MiB around it (a huge page, where 4 KiB
+    pages would map only the pages written), the step keeps the buffer, and every other value is zero."""
     num_blocks = 4001  # 12 MiB per pool: several whole huge pages
     runner = ModelRunner(CONFIG, init_params(CONFIG, jax.random.key(0)), num_blocks=num_blocks, block_size=BLOCK_SIZE,
                          backend=XLABackend() if backend == "xla" else native.NativeBackend())
     address = runner.cache.k.unsafe_buffer_pointer()
-    block = 3000  # well inside the pool, past its first 2 MiB boundary (layer 0's copy of it)
-    block_address = address + block * runner.cache.k[0, 0].nbytes
-    assert _huge_page_kib(block_address) == 0  # nothing written yet: the advised pages were handed back
+    block = 3000  # layer 0's copy lies ~3 MiB into the pool: its 2 MiB region is one the runner advised
+    written = address + block * runner.cache.k[0, 0].nbytes
+    region = written // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    far_pages = [page for page in (region, region + HUGE_PAGE_BYTES - 4096)  # the region's first and last
+                 if page // 4096 != written // 4096]  # 4 KiB pages, not the one written
+    assert not any(map(_present, far_pages))  # the zero-filled pages were handed back
     runner.execute([Row([5, 6, 7], 0, [block * BLOCK_SIZE + i for i in range(3)], [block])], decode=False)
     k = runner.cache.k
     assert k.unsafe_buffer_pointer() == address  # the donated buffer, updated in place
-    assert _huge_page_kib(block_address) >= 2048
+    assert all(map(_present, far_pages))  # one write in the region faulted in all of it: a huge page
     k = np.array(k)
     assert np.abs(k[:, block, :3]).min() > 0  # the prompt's keys (RoPE'd projections: no exact zeros)
     k[:, block, :3] = 0

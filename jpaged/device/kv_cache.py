@@ -9,7 +9,8 @@ tokens' slots point into it, so an out-of-range index can never read or clobber 
 (JAX clips out-of-bounds indices instead of failing). Nothing may read the null block unmasked.
 
 The pool is large. Step functions take it donated and update it in place; nothing slices a layer
-out of it (a slice is a copy).
+out of it (a slice is a copy). On CPUs a new pool lies on transparent huge pages
+(`back_with_huge_pages`): attention reads its blocks scattered over all of it.
 """
 
 from __future__ import annotations

@@ -330,6 +330,21 @@ inline float AddLanes(VF x) {
   return x[0];
 }
 
+// The pool offsets (elements, head 0) of the n tokens at positions start .. start + n - 1 of a row
+// with block table `table`, in this layer: one division for all of them. Returns how many lie in
+// blocks inside the pool (stopping at the first that does not).
+inline int TokenOffsets(const Problem& p, const int32_t* table, int64_t start, int n, int64_t* out) {
+  const int64_t token_stride = p.KVH * p.D, block_stride = p.BS * token_stride;
+  int64_t entry = start / p.BS, slot = start % p.BS;
+  for (int t = 0; t < n; ++t) {
+    const int64_t block = table[entry];
+    if (block < 0 || block >= p.NB) return t;
+    out[t] = p.layer_offset + block * block_stride + slot * token_stride;
+    if (++slot == p.BS) slot = 0, ++entry;
+  }
+  return n;
+}
+
 // One work item of the vector path: query tokens chunk_start .. chunk_start + chunk_len - 1 of a
 // row (decode: its one token), every KV head: the row's blocks are read whole (K and V of all
 // heads of a block's tokens lie together in the pool), and each K or V row is loaded once for the
@@ -348,8 +363,6 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
   constexpr int64_t elem = T == PoolType::kF32 ? 4 : 2;
   const int64_t H = p.H, KVH = p.KVH, Q = item.chunk_len;
   const int32_t* table = p.tables + static_cast<int64_t>(item.row) * p.M;
-  const int64_t token_stride = KVH * D;
-  const int64_t block_stride = p.BS * token_stride;
   const int64_t first_row = p.q_start[item.row] + item.chunk_start;  // the chunk's first token in q
   const int64_t first_pos = p.context[item.row] - p.q_len[item.row] + item.chunk_start;  // and its position
   const int64_t keys = first_pos + Q;  // the chunk reads positions 0 .. keys - 1
@@ -371,12 +384,7 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
   std::vector<VF> tile_scores(H);
   for (int64_t tile = 0; tile < keys; tile += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, keys - tile));
-    for (int t = 0; t < n; ++t) {
-      const int64_t pos = tile + t;
-      const int64_t block = table[pos / p.BS];
-      if (block < 0 || block >= p.NB) return false;
-      offsets[t] = p.layer_offset + block * block_stride + (pos % p.BS) * token_stride;
-    }
+    if (TokenOffsets(p, table, tile, n, offsets) < n) return false;
     // the tokens kPrefetchTiles ahead (prefetched in the score loop below): this item's, or next's
     int64_t ahead[kTile];
     int ahead_n = 0;
@@ -385,10 +393,9 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
     const int32_t* ahead_table = in_next ? next_table : table;
     const int64_t ahead_start = (in_next ? ahead_tile - tiles : ahead_tile) * kTile;
     const int64_t ahead_end = ahead_table ? std::min(ahead_start + kTile, in_next ? next_keys : keys) : 0;
-    for (int64_t pos = ahead_start; pos < ahead_end; ++pos) {
-      const int64_t block = ahead_table[pos / p.BS];
-      if (block < 0 || block >= p.NB) break;
-      ahead[ahead_n++] = (p.layer_offset + block * block_stride + (pos % p.BS) * token_stride) * elem;
+    if (ahead_end > ahead_start) {
+      ahead_n = TokenOffsets(p, ahead_table, ahead_start, static_cast<int>(ahead_end - ahead_start), ahead);
+      for (int t = 0; t < ahead_n; ++t) ahead[t] *= elem;  // in bytes
     }
     for (int64_t i = 0; i < Q; ++i) {
       const int visible = static_cast<int>(std::min<int64_t>(n, first_pos + i + 1 - tile));  // causal
