@@ -2,7 +2,8 @@
 
 One decode step's attention over the default model's 30 layers (3 KV heads x 64, 9 query heads),
 on a pool laid out as jpaged's ([layers, blocks, 16, kv_heads, head_dim]) with every row's blocks
-scattered at random, in one jitted `lax.scan` over the layers as in the model (the pool is read in
+scattered at random, built as the engine builds it (zeros on transparent huge pages, then written
+in place; `--small-pages` leaves it on 4 KiB pages, as XLA allocates by default), in one jitted `lax.scan` over the layers as in the model (the pool is read in
 place at a traced layer index). For each (rows, context) case and pool dtype, side by side in one
 run: ms per step of the native kernel (`jpaged.device.attention.native`, the variant this CPU runs
 best) and of the XLA path (`xla_attend`, gathered key tiles), median of `--reps` alternating runs,
@@ -19,6 +20,7 @@ It also checks the two backends agree.
 
     python bench/attention_cpu.py [--quick] [--reps 5] [--out bench/results]   # attention_cpu{,_quick}.json/.png
     python bench/attention_cpu.py --quick --dtypes float32 --block-sizes 16,32,64   # attention_cpu_block_sizes_quick
+    python bench/attention_cpu.py --small-pages     # attention_cpu_small_pages.json/.png
 """
 
 from __future__ import annotations
@@ -172,7 +174,8 @@ def step_fn(backend, inputs):
     return jax.jit(step)
 
 
-def run_case(rows, context, dtype, reps, bandwidth, rng, reader=None, block_size=16, log=print) -> dict:
+def run_case(rows, context, dtype, reps, bandwidth, rng, reader=None, block_size=16, huge_pages=True,
+             log=print) -> dict:
     import jax
 
     from jpaged.device.attention.native import NativeBackend, available_variants
@@ -180,7 +183,7 @@ def run_case(rows, context, dtype, reps, bandwidth, rng, reader=None, block_size
     from jpaged.device.batch import pack_rows
     from jpaged.device.model import _Row
 
-    k, v, tables, lens = make_case(rows, context, dtype, rng, block_size)
+    k, v, tables, lens = make_case(rows, context, dtype, rng, block_size, huge_pages)
     packed = [_Row([0], int(n) - 1, [0], table) for n, table in zip(lens, tables)]
     inputs = pack_rows(packed, block_size=block_size, q_tile=1, k_tile=64)  # the runner's decode tiles
     q = rng.standard_normal((len(inputs.token_ids), HEADS, HEAD_DIM), np.float32)  # padded rows: see nothing
@@ -270,6 +273,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="pool dtypes, comma-separated")
     parser.add_argument("--block-sizes", default="16", help="tokens per KV block, comma-separated (default 16; "
                         "others write attention_cpu_block_sizes*.json)")
+    parser.add_argument("--small-pages", action="store_true", help="pools on 4 KiB pages, not on the huge pages the "
+                        "engine asks for (writes attention_cpu_small_pages*.json)")
     args = parser.parse_args(argv)
     common.use_compile_cache(args)
     start = time.perf_counter()
@@ -283,12 +288,13 @@ def main(argv=None) -> dict:
     dtypes = args.dtypes.split(",")
     reader = build_block_reader()
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
-    cases = [run_case(rows, context, dtype, args.reps, bandwidth["bytes_per_s"], rng, reader, block_size)
+    cases = [run_case(rows, context, dtype, args.reps, bandwidth["bytes_per_s"], rng, reader, block_size,
+                      not args.small_pages)
              for dtype in dtypes for rows, context in (QUICK if args.quick else FULL) for block_size in block_sizes]
     machine = {**common.machine_info(), "cpu": cpu_info()}  # the CPU model, its vector ISA and whether it has AMX
     out = dict(machine=machine, bandwidth=bandwidth, dtypes=dtypes, block_sizes=block_sizes, cases=cases,
-               reps=args.reps)
-    name = "attention_cpu" if block_sizes == [16] else "attention_cpu_block_sizes"
+               reps=args.reps, huge_pages=not args.small_pages)
+    name = "attention_cpu" + ("" if block_sizes == [16] else "_block_sizes") + ("_small_pages" if args.small_pages else "")
     return common.report(out, Path(args.out), common.results_stem(name, args.quick), start, plot, print_table)
 
 
