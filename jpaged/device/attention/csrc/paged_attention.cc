@@ -364,8 +364,8 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
   const int64_t H = p.H, KVH = p.KVH, Q = item.chunk_len;
   const int32_t* table = p.tables + static_cast<int64_t>(item.row) * p.M;
   const int64_t first_row = p.q_start[item.row] + item.chunk_start;  // the chunk's first token in q
-  const int64_t first_pos = p.context[item.row] - p.q_len[item.row] + item.chunk_start;  // and its position
-  const int64_t keys = first_pos + Q;  // the chunk reads positions 0 .. keys - 1
+  const int64_t keys = ItemKeys(p, item);  // the chunk reads positions 0 .. keys - 1
+  const int64_t first_pos = keys - Q;      // the chunk's first token's position
   const int64_t tiles = (keys + kTile - 1) / kTile;
   const int32_t* next_table = next ? p.tables + static_cast<int64_t>(next->row) * p.M : nullptr;
   const int64_t next_keys = next ? ItemKeys(p, *next) : 0;
@@ -600,12 +600,13 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
       return ffi::Error::InvalidArgument("paged attention: row " + std::to_string(b) +
                                          " has tokens outside q, or a context longer than its block table");
     for (int32_t c = 0; c < ql[b]; c += kQueryChunk) {  // decode: one chunk of one token
-      const int32_t len = std::min(kQueryChunk, ql[b] - c);
-      const int64_t keys = ctx[b] - ql[b] + c + len;  // the chunk reads positions 0 .. keys - 1
+      WorkItem item{static_cast<int32_t>(b), 0, c, std::min(kQueryChunk, ql[b] - c), 0};
+      item.cost = ItemKeys(work->problem, item) * item.chunk_len;
       if (vector_path) {
-        work->items.push_back({static_cast<int32_t>(b), 0, c, len, keys * len * KVH, true});
+        item.cost *= KVH, item.all_heads = true;
+        work->items.push_back(item);
       } else {
-        for (int32_t h = 0; h < KVH; ++h) work->items.push_back({static_cast<int32_t>(b), h, c, len, keys * len});
+        for (item.kv_head = 0; item.kv_head < KVH; ++item.kv_head) work->items.push_back(item);
       }
     }
   }
