@@ -159,6 +159,17 @@ inline int64_t ItemKeys(const Problem& p, const WorkItem& item) {
   return p.context[item.row] - p.q_len[item.row] + item.chunk_start + item.chunk_len;
 }
 
+// Prefetches `bytes` bytes of K and of V from byte `at` of the pools into the L2 cache, not L1
+// (hint 1, PREFETCHT1): a tile's K and V rows are 24 KiB (float32, the default model), so the
+// tiles in flight would not fit a 32-48 KiB L1 beside the tile being read (on an AMD EPYC, hint 3
+// took 1.1-1.2x as long at 64 and 120 rows x 480).
+inline void PrefetchKV(const Problem& p, int64_t at, int64_t bytes) {
+  for (int64_t byte = 0; byte < bytes; byte += 64) {
+    __builtin_prefetch(static_cast<const char*>(p.k) + at + byte, 0, 1);
+    __builtin_prefetch(static_cast<const char*>(p.v) + at + byte, 0, 1);
+  }
+}
+
 // ---- the generic path: any head_dim and group size ---------------------------------------------
 //
 // One work item is a chunk of query tokens of one row against one KV head; scores one by one.
@@ -211,10 +222,7 @@ bool RunItem(const Problem& p, const WorkItem& item, std::vector<float>& buffer)
       const int64_t block = table[pos / p.BS];
       if (block < 0 || block >= p.NB) break;
       const int64_t offset = (head_offset + block * block_stride + (pos % p.BS) * token_stride) * elem;
-      for (int64_t byte = 0; byte < D * static_cast<int64_t>(elem); byte += 64) {
-        __builtin_prefetch(static_cast<const char*>(p.k) + offset + byte);
-        __builtin_prefetch(static_cast<const char*>(p.v) + offset + byte);
-      }
+      PrefetchKV(p, offset, D * static_cast<int64_t>(elem));
     }
     for (int64_t j = 0; j < nvec; ++j) {
       const int64_t q_pos = first_pos + j / G;
@@ -351,12 +359,13 @@ inline int TokenOffsets(const Problem& p, const int32_t* table, int64_t start, i
 // G query heads that read it. head_dim is C * 16. Query token i sees the keys at positions <= its
 // own. Returns false on a block outside the pool.
 //
-// Per tile of 16 keys and query token: the scores of every query head (K read token by token, all
-// heads, in address order), then the online softmax of every query head together (independent
-// chains the CPU overlaps), then the outputs KV head by KV head. The tile kPrefetchTiles ahead is
-// prefetched one token per key of the score loop, so the requests spread over the tile's work;
-// past the item's last tile, that is the first tiles of `next`, the item this thread runs next
-// (if any), so that a row's first blocks do not wait on memory either.
+// Per tile of 16 keys and query token: the scores of every query head (KV head by KV head, the
+// group's query vectors in registers, so that the loads are K's alone), then the online softmax
+// of every query head together (independent chains the CPU overlaps), then the outputs KV head by
+// KV head. The tile kPrefetchTiles ahead is prefetched (PrefetchKV) through the score loop, so
+// the requests spread over the tile's work; past the item's last tile, that is the first tiles of
+// `next`, the item this thread runs next (if any), so that a row's first blocks do not wait on
+// memory either.
 template <PoolType T, int C, int G>
 bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
   constexpr int D = C * 16;
@@ -401,29 +410,26 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
       const int visible = static_cast<int>(std::min<int64_t>(n, first_pos + i + 1 - tile));  // causal
       if (visible <= 0) continue;
       const VF* q = &qv[i * H * C];  // [H][C]
-      // scores: token by token, every KV head (the tile's K rows in address order)
-      for (int t = 0; t < kTile; ++t) {
-        if (i == 0 && t < ahead_n) {  // the tile kPrefetchTiles ahead, one token per key
-          const char* k_row = static_cast<const char*>(p.k) + ahead[t];
-          const char* v_row = static_cast<const char*>(p.v) + ahead[t];
-          for (int64_t line = 0; line < KVH * D * elem / 64; ++line) {
-            __builtin_prefetch(k_row + 64 * line);
-            __builtin_prefetch(v_row + 64 * line);
+      // scores: KV head by KV head, with its G query heads' vectors held in registers; the tile
+      // kPrefetchTiles ahead is prefetched a token's head at a time, spread over the loop
+      for (int64_t h = 0; h < KVH; ++h) {
+        VF qh[G][C];
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < C; ++c) qh[g][c] = q[(h * G + g) * C + c];
+        for (int t = 0; t < visible; ++t) {
+          if (i == 0 && t < ahead_n) PrefetchKV(p, ahead[t] + h * D * elem, D * elem);
+          VF k[C];
+          for (int c = 0; c < C; ++c) k[c] = Load16<T>(p.k, offsets[t] + h * D + 16 * c);
+          for (int g = 0; g < G; ++g) {
+            VF s = qh[g][0] * k[0];
+            for (int c = 1; c < C; ++c) s += qh[g][c] * k[c];
+            partial[(h * G + g) * kTile + t] = s;
           }
         }
-        if (t < visible) {
-          for (int64_t h = 0; h < KVH; ++h) {
-            VF k[C];
-            for (int c = 0; c < C; ++c) k[c] = Load16<T>(p.k, offsets[t] + h * D + 16 * c);
-            for (int g = 0; g < G; ++g) {
-              VF s = q[(h * G + g) * C] * k[0];
-              for (int c = 1; c < C; ++c) s += q[(h * G + g) * C + c] * k[c];
-              partial[(h * G + g) * kTile + t] = s;
-            }
-          }
-        } else {
-          for (int64_t j = 0; j < H; ++j) partial[j * kTile + t] = VF{};
-        }
+      }
+      for (int t = visible; t < kTile; ++t) {
+        for (int64_t j = 0; j < H; ++j) partial[j * kTile + t] = VF{};
+        if (i == 0 && t < ahead_n) PrefetchKV(p, ahead[t], KVH * D * elem);
       }
       // the online softmax of every query head: each head's scores and new running maximum, then
       // the rescale factors exp(m_old - m_new) of 16 heads per vector exp (0 before the first key),
