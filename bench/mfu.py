@@ -87,7 +87,7 @@ def decode_step_seconds(loaded, batch: int, context: int, repeats: int) -> float
     return float(np.median(times))
 
 
-def plot(rows: list, path: Path) -> None:
+def plot(rows: list, path: Path, attention: str) -> None:
     """Decode tokens/s and MFU against the batch size."""
     import matplotlib
     matplotlib.use("Agg")
@@ -105,7 +105,8 @@ def plot(rows: list, path: Path) -> None:
     mfu.axhline(40, color="tab:red", lw=0.8, ls=":")
     mfu.set_ylabel("% of f32 matmul peak (MFU)", color="tab:red")
     mfu.set_ylim(0, 100)
-    ax.set_title(f"SmolLM2-135M decode step, context {rows[0]['context']}, f32, XLA CPU", fontsize=9)
+    ax.set_title(f"SmolLM2-135M decode step, context {rows[0]['context']}, f32, CPU, {attention} attention",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -117,8 +118,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--context", type=int, default=128, help="tokens in each sequence's cache")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
+    from jpaged.device.attention import get_backend
     from jpaged.weights import load_model
 
+    attention = get_backend("auto").name  # what decode_step_seconds' runner uses
     loaded = load_model(None)
     batches = (64, 128) if args.quick else (1, 4, 8, 16, 24, 32, 64, 128, 256)
     repeats = 3 if args.quick else 7
@@ -138,13 +141,14 @@ def main(argv=None) -> dict:
     at_64 = [r["mfu"] for r in rows if r["batch"] >= 64]
     result = {"benchmark": "mfu", "machine": machine_info(),
               "settings": {"context": args.context, "block_size": BLOCK_SIZE, "dtype": "float32",
+                           "attention_backend": attention,
                            "peak": f"jnp.dot f32 {PEAK_N}^3, best of 5, measured before and after every batch",
                            "model_flops_per_token": flops_per_token, "repeats": repeats},
               "peak_readings_gflops": peaks, "rows": rows,
               "goal": {"mfu_at_batch_64_or_more": 0.40, "best": max(at_64), "met": max(at_64) >= 0.40}}
     stem = results_stem("mfu", args.quick)
     write_json(args.out / f"{stem}.json", result)
-    plot(rows, args.out / f"{stem}.png")
+    plot(rows, args.out / f"{stem}.png", attention)
     return result
 
 
