@@ -162,7 +162,7 @@ inline int64_t ItemKeys(const Problem& p, const WorkItem& item) {
 // Prefetches `bytes` bytes of K and of V from byte `at` of the pools into the L2 cache, not L1
 // (hint 1, PREFETCHT1): a tile's K and V rows are 24 KiB (float32, the default model), so the
 // tiles in flight would not fit a 32-48 KiB L1 beside the tile being read (on an AMD EPYC, hint 3
-// took 1.1-1.2x as long at 64 and 120 rows x 480).
+// took 1.2x as long at 64 and 120 rows x 480).
 inline void PrefetchKV(const Problem& p, int64_t at, int64_t bytes) {
   for (int64_t byte = 0; byte < bytes; byte += 64) {
     __builtin_prefetch(static_cast<const char*>(p.k) + at + byte, 0, 1);
