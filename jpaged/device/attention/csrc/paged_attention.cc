@@ -278,7 +278,9 @@ bool RunItem(const Problem& p, const WorkItem& item, std::vector<float>& buffer)
 //
 // A tile's 16 scores sit in one 16-lane vector: each key's partial products (D / 16 vectors,
 // multiplied into one) are summed across lanes for 16 keys at once by a transposing reduction
-// tree, so the softmax (max, exp, sum) runs on whole vectors.
+// tree, so the softmax (max, exp, sum) runs on whole vectors. The tree's first two levels run on
+// every 4 keys' products while they are in registers (SumLanes4Keys), the rest once per tile
+// (SumLanes16): a quarter of the stores and loads of keeping all 16 keys' products.
 
 template <PoolType T>
 inline VF Load16(const void* base, int64_t offset) {
@@ -300,15 +302,19 @@ inline VF Load16(const void* base, int64_t offset) {
   }
 }
 
-// out[t] = the sum of a[t]'s 16 lanes, for t = 0..15.
-inline VF SumLanes16(const VF* a) {
-  VF b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)
+// The first two levels of the tree, on the products of keys 4i .. 4i + 3 (a[0..3]): one vector.
+inline VF SumLanes4Keys(const VF* a) {
+  VF b[2];
+  for (int i = 0; i < 2; ++i)
     b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)
-    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  return __builtin_shufflevector(b[0], b[1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+         __builtin_shufflevector(b[0], b[1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+
+// out[t] = the sum of key t's 16 lanes, for t = 0..15, from c[i] = SumLanes4Keys(keys 4i .. 4i + 3).
+inline VF SumLanes16(const VF* c) {
+  VF d[2];
   for (int i = 0; i < 2; ++i)
     d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
            __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
@@ -388,7 +394,7 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
     qv[i] *= p.scale;
   }
   int64_t offsets[kTile];  // of each key's token (head 0) in the pool
-  std::vector<VF> partial(H * kTile);     // [query head][key]: partial products of a tile's scores
+  std::vector<VF> partial(H * kTile / 4);  // [query head][keys 4i .. 4i + 3]: SumLanes4Keys of their products
   std::vector<float> probs(H * kTile), alpha(H), m_new(H);
   std::vector<VF> tile_scores(H);
   for (int64_t tile = 0; tile < keys; tile += kTile) {
@@ -416,26 +422,30 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
         VF qh[G][C];
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < C; ++c) qh[g][c] = q[(h * G + g) * C + c];
-        for (int t = 0; t < visible; ++t) {
-          if (i == 0 && t < ahead_n) PrefetchKV(p, ahead[t] + h * D * elem, D * elem);
-          VF k[C];
-          for (int c = 0; c < C; ++c) k[c] = Load16<T>(p.k, offsets[t] + h * D + 16 * c);
-          for (int g = 0; g < G; ++g) {
-            VF s = qh[g][0] * k[0];
-            for (int c = 1; c < C; ++c) s += qh[g][c] * k[c];
-            partial[(h * G + g) * kTile + t] = s;
+        for (int t0 = 0; t0 < kTile; t0 += 4) {
+          VF s[G][4];
+          for (int u = 0; u < 4; ++u) {
+            const int t = t0 + u;
+            if (i == 0 && t < ahead_n) PrefetchKV(p, ahead[t] + h * D * elem, D * elem);
+            if (t < visible) {
+              VF k[C];
+              for (int c = 0; c < C; ++c) k[c] = Load16<T>(p.k, offsets[t] + h * D + 16 * c);
+              for (int g = 0; g < G; ++g) {
+                s[g][u] = qh[g][0] * k[0];
+                for (int c = 1; c < C; ++c) s[g][u] += qh[g][c] * k[c];
+              }
+            } else {
+              for (int g = 0; g < G; ++g) s[g][u] = VF{};
+            }
           }
+          for (int g = 0; g < G; ++g) partial[(h * G + g) * (kTile / 4) + t0 / 4] = SumLanes4Keys(s[g]);
         }
-      }
-      for (int t = visible; t < kTile; ++t) {
-        for (int64_t j = 0; j < H; ++j) partial[j * kTile + t] = VF{};
-        if (i == 0 && t < ahead_n) PrefetchKV(p, ahead[t], KVH * D * elem);
       }
       // the online softmax of every query head: each head's scores and new running maximum, then
       // the rescale factors exp(m_old - m_new) of 16 heads per vector exp (0 before the first key),
       // then the probabilities
       for (int64_t j = 0; j < H; ++j) {
-        VF scores = SumLanes16(&partial[j * kTile]);
+        VF scores = SumLanes16(&partial[j * (kTile / 4)]);
         if (visible < kTile) scores = kLanes < visible ? scores : Splat(kNegInf);
         tile_scores[j] = scores;
         m_new[j] = std::max(m[i * H + j], MaxLanes(scores));
