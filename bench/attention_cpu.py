@@ -4,10 +4,11 @@ One decode step's attention over the default model's 30 layers (3 KV heads x 64,
 on a pool laid out as jpaged's ([layers, blocks, 16, kv_heads, head_dim]) with every row's blocks
 scattered at random, built as the engine builds it (zeros on transparent huge pages, then written
 in place; `--small-pages` leaves it on 4 KiB pages, as XLA allocates by default), in one jitted
-`lax.scan` over the layers as in the model (the pool is read in place at a traced layer index). For each (rows, context) case and pool dtype, side by side in one
-run: ms per step of the native kernel (`jpaged.device.attention.native`, the variant this CPU runs
-best) and of the XLA path (`xla_attend`, gathered key tiles), median of `--reps` alternating runs,
-and two bounds measured in the same run:
+`lax.scan` over the layers as in the model (the pool is read in place at a traced layer index).
+For each (rows, context) case and pool dtype, side by side in one run: ms per step of the native
+kernel (`jpaged.device.attention.native`, the variant this CPU runs best) and of the XLA path
+(`xla_attend`, gathered key tiles), median of `--reps` alternating runs, and two bounds measured in
+the same run:
   - the read bound: the K/V bytes the step must read divided by the sequential read bandwidth (the
     best of a multi-threaded matrix-vector product and numpy sums on one thread per core, over a
     1 GiB array);
