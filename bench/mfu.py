@@ -61,18 +61,18 @@ def decode_flops_per_token(config, context: int) -> float:
     return 2 * weights + 4 * context * config.num_heads * d * config.num_layers
 
 
-def decode_step_seconds(loaded, batch: int, context: int, repeats: int) -> float:
-    """Median wall seconds of the compiled decode step for `batch` sequences of `context` tokens."""
+def decode_step_seconds(loaded, backend, batch: int, context: int, repeats: int) -> float:
+    """Median wall seconds of the compiled decode step for `batch` sequences of `context` tokens, with
+    attention on `backend` (an `AttentionBackend`)."""
     import jax
 
-    from jpaged.device.attention import get_backend
     from jpaged.core.kv_cache_manager import blocks_for, slot_ids
     from jpaged.device.runner import ModelRunner
     from jpaged.core.scheduler import Row
 
     per_seq = blocks_for(context, BLOCK_SIZE)
     runner = ModelRunner(loaded.config, loaded.params, num_blocks=1 + batch * per_seq, block_size=BLOCK_SIZE,
-                         backend=get_backend("auto"))
+                         backend=backend)
     rows = []
     for b in range(batch):  # each sequence decodes its token at position context - 1 of its own blocks
         table = list(range(1 + b * per_seq, 1 + (b + 1) * per_seq))
@@ -121,14 +121,15 @@ def main(argv=None) -> dict:
     from jpaged.device.attention import get_backend
     from jpaged.weights import load_model
 
-    attention = get_backend("auto").name  # what decode_step_seconds' runner uses
+    backend = get_backend("auto")  # the attention every batch runs (and the results name)
+    attention = backend.name
     loaded = load_model(None)
     batches = (64, 128) if args.quick else (1, 4, 8, 16, 24, 32, 64, 128, 256)
     repeats = 3 if args.quick else 7
     flops_per_token = decode_flops_per_token(loaded.config, args.context)
     peaks, rows = [matmul_peak()], []
     for batch in batches:
-        seconds = decode_step_seconds(loaded, batch, args.context, repeats)
+        seconds = decode_step_seconds(loaded, backend, batch, args.context, repeats)
         peaks.append(matmul_peak())
         peak = float(np.median(peaks[-2:]))
         gflops = batch * flops_per_token / seconds / 1e9
