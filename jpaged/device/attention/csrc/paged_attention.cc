@@ -619,7 +619,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
       WorkItem item{static_cast<int32_t>(b), 0, c, std::min(kQueryChunk, ql[b] - c), 0};
       item.cost = ItemKeys(work->problem, item) * item.chunk_len;
       if (vector_path) {
-        item.cost *= KVH, item.all_heads = true;
+        item.all_heads = true;
+        item.cost *= KVH;
         work->items.push_back(item);
       } else {
         for (item.kv_head = 0; item.kv_head < KVH; ++item.kv_head) work->items.push_back(item);
