@@ -7,19 +7,22 @@ in place; `--small-pages` leaves it on 4 KiB pages, as XLA allocates by default)
 `lax.scan` over the layers as in the model (the pool is read in place at a traced layer index).
 For each (rows, context) case and pool dtype, side by side in one run: ms per step of the native
 kernel (`jpaged.device.attention.native`, the variant this CPU runs best) and of the XLA path
-(`xla_attend`, gathered key tiles), median of `--reps` alternating runs, and two bounds measured in
-the same run:
-  - the read bound: the K/V bytes the step must read divided by the sequential read bandwidth (the
-    best of a multi-threaded matrix-vector product and numpy sums on one thread per core, over a
-    1 GiB array);
-  - the block-read time: reading the very blocks the step reads, layer by layer, with vector loads
-    and no arithmetic, one thread per core, the faster of plain loads and loads with each next
-    block's pages touched ahead (`bench/csrc/block_read.c`, compiled here with the system C
-    compiler for this CPU; skipped without one). Scattered blocks read slower than one sequential
-    stream: this is what reading them costs here before any arithmetic.
+(`xla_attend`, gathered key tiles), and of reading what the step reads with vector loads and no
+arithmetic, one thread per core (`bench/csrc/block_read.c`, compiled here with the system C compiler
+for this CPU):
+  - the read bound: reading as many bytes of the pools sequentially;
+  - the block-read time: reading the very blocks the step reads, layer by layer, the faster of plain
+    loads and loads with each next block's pages touched ahead. Scattered blocks read slower than
+    one sequential stream: this is what reading them costs here before any arithmetic.
+Each is the median of `--reps` runs, all of them alternating (forward, then backward), so that every
+figure of a case sees the same load on this shared machine: its memory bandwidth moves from one
+second to the next with its neighbours' work. The machine's read bandwidth is also measured once at
+the start (the best of a multi-threaded matrix-vector product and numpy sums on one thread per core,
+over a 1 GiB array); the step's bytes over it are a second bound, usually the stricter (it is the
+best moment's bandwidth), reported beside the first, and the only one without a C compiler.
 It also checks the two backends agree.
 
-    python bench/attention_cpu.py [--quick] [--reps 5] [--out bench/results]   # attention_cpu{,_quick}.json/.png
+    python bench/attention_cpu.py [--quick] [--reps 7] [--out bench/results]   # attention_cpu{,_quick}.json/.png
     python bench/attention_cpu.py --quick --dtypes float32 --block-sizes 16,32,64   # attention_cpu_block_sizes_quick
     python bench/attention_cpu.py --small-pages     # attention_cpu_small_pages.json/.png
 """
@@ -94,31 +97,40 @@ def build_block_reader():
     return read
 
 
-def block_read_ms(read, k, v, tables, lens, reps: int) -> tuple[dict, int]:
-    """({"plain": ms, "prefetch": ms}, bytes): the median time of reading, layer by layer and row by
-    row, each row's K and V blocks (the slots its context fills) with `read`, that list cut into one
-    contiguous part per core, each on its own thread; with plain loads and with each next block's
-    pages touched ahead."""
+def chunk_reader(read, k, v, offsets, sizes, prefetch: bool):
+    """An argument-free callable: reads (with `read`) the chunks (offsets, sizes, in bytes) of both
+    pools, K then V, the list cut into one contiguous part per core, each on its own thread; returns
+    the wall seconds. `prefetch`: each next chunk's pages touched ahead (see block_read.c)."""
+    offsets, sizes = np.ascontiguousarray(offsets, np.int64), np.ascontiguousarray(sizes, np.int64)
+    parts = [part for part in np.array_split(np.arange(len(offsets)), os.cpu_count() or 1) if len(part)]
+    k_ptr, v_ptr = k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()
+
+    def run():  # holds `offsets` and `sizes` (and so the memory the pointers below point into)
+        calls = [functools.partial(read, k_ptr, v_ptr, offsets[part[0]:].ctypes.data,
+                                   sizes[part[0]:].ctypes.data, len(part), prefetch) for part in parts]
+        return seconds_on_threads(calls)
+
+    return run
+
+
+def read_timers(read, k, v, tables, lens) -> tuple[dict, int]:
+    """({name: timer}, bytes) for the step's reads with no arithmetic (`chunk_reader`s):
+      - "sequential": as many bytes of each pool as the step reads, from its start, in 1 MiB chunks;
+      - "blocks" / "blocks, pages touched": the very blocks the step reads (the slots each row's
+        context fills), layer by layer and row by row, with plain loads / with each next block's
+        pages touched ahead."""
     num_blocks, block_size = k.shape[1:3]
     token = KV_HEADS * HEAD_DIM * k.dtype.itemsize
     block = block_size * token
     chunks = [((layer * num_blocks + b) * block, min(block_size, int(n) - block_size * j) * token)
               for layer in range(LAYERS) for n, table in zip(lens, tables) for j, b in enumerate(table)]
-    offsets, sizes = (np.ascontiguousarray(a, np.int64) for a in zip(*chunks))
-    parts = np.array_split(np.arange(len(chunks)), os.cpu_count() or 1)
-    k_ptr, v_ptr = k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()
-
-    def run(part, prefetch):
-        read(k_ptr, v_ptr, offsets[part[0]:].ctypes.data, sizes[part[0]:].ctypes.data, len(part), prefetch)
-
-    times = {"plain": [], "prefetch": []}
-    for r in range(reps + 1):  # the first round warms the page tables
-        for mode in times:
-            calls = [functools.partial(run, part, mode == "prefetch") for part in parts if len(part)]
-            seconds = seconds_on_threads(calls)
-            if r:
-                times[mode].append(seconds)
-    return {mode: 1e3 * float(np.median(t)) for mode, t in times.items()}, 2 * int(sizes.sum())
+    offsets, sizes = (np.array(a, np.int64) for a in zip(*chunks))
+    per_pool = int(sizes.sum())
+    starts = np.arange(0, per_pool, 2**20, dtype=np.int64)
+    timers = {"sequential": chunk_reader(read, k, v, starts, np.minimum(2**20, per_pool - starts), False),
+              "blocks": chunk_reader(read, k, v, offsets, sizes, False),
+              "blocks, pages touched": chunk_reader(read, k, v, offsets, sizes, True)}
+    return timers, 2 * per_pool
 
 
 def context_lengths(rows: int, context, rng) -> np.ndarray:
@@ -175,6 +187,15 @@ def step_fn(backend, inputs):
     return jax.jit(step)
 
 
+def seconds_of_step(fn, q, k, v) -> float:
+    """Wall seconds of one call of the jitted step `fn`, to its result."""
+    import jax
+
+    t = time.perf_counter()
+    jax.block_until_ready(fn(q, k, v))
+    return time.perf_counter() - t
+
+
 def run_case(rows, context, dtype, reps, bandwidth, rng, reader=None, block_size=16, huge_pages=True,
              log=print) -> dict:
     import jax
@@ -190,30 +211,35 @@ def run_case(rows, context, dtype, reps, bandwidth, rng, reader=None, block_size
     q = rng.standard_normal((len(inputs.token_ids), HEADS, HEAD_DIM), np.float32)  # padded rows: see nothing
     fns = {"native": step_fn(NativeBackend(), inputs), "xla": step_fn(XLABackend(), inputs)}
     outs = {name: jax.block_until_ready(fn(q, k, v)) for name, fn in fns.items()}  # compile
-    times = {name: [] for name in fns}
-    for r in range(reps):
-        for name in (("native", "xla") if r % 2 == 0 else ("xla", "native")):
-            t = time.perf_counter()
-            jax.block_until_ready(fns[name](q, k, v))
-            times[name].append(time.perf_counter() - t)
+    timers = {name: functools.partial(seconds_of_step, fn, q, k, v) for name, fn in fns.items()}
     itemsize = np.dtype(np.float32 if dtype == "float32" else np.uint16).itemsize
     read_bytes = int(lens.sum()) * LAYERS * 2 * KV_HEADS * HEAD_DIM * itemsize
-    ms = {name: 1e3 * float(np.median(t)) for name, t in times.items()}
-    bound = 1e3 * read_bytes / bandwidth
-    blocks_ms, blocks_modes = None, {}
     if reader is not None:
-        blocks_modes, blocks_bytes = block_read_ms(reader, k, v, tables, lens, reps)
-        assert blocks_bytes == read_bytes, (blocks_bytes, read_bytes)
-        blocks_ms = min(blocks_modes.values())  # the faster way of reading them
+        reads, reads_bytes = read_timers(reader, k, v, tables, lens)
+        assert reads_bytes == read_bytes, (reads_bytes, read_bytes)
+        timers.update(reads)
+    for timer in timers.values():  # warm: the page tables, the caches of what the runs share
+        timer()
+    times = {name: [] for name in timers}
+    for r in range(reps):  # alternating, forward then backward, so that drift in the machine's load is shared
+        for name in (list(timers) if r % 2 == 0 else list(timers)[::-1]):
+            times[name].append(timers[name]())
+    ms = {name: 1e3 * float(np.median(t)) for name, t in times.items()}
+    bandwidth_bound = 1e3 * read_bytes / bandwidth
+    bound = ms.get("sequential", bandwidth_bound)
+    blocks_modes = {mode: ms[name] for mode, name in (("plain", "blocks"), ("prefetch", "blocks, pages touched"))
+                    if name in ms}
+    blocks_ms = min(blocks_modes.values(), default=None)  # the faster way of reading them
     diff = float(np.abs(np.asarray(outs["native"][:rows]) - np.asarray(outs["xla"][:rows])).max())
     result = dict(rows=rows, context=context, dtype=dtype, block_size=block_size, mean_context=float(lens.mean()),
                   read_bytes=read_bytes,
-                  read_bound_ms=bound, native_ms=ms["native"], xla_ms=ms["xla"],
+                  read_bound_ms=bound, read_bound_of_bandwidth_ms=bandwidth_bound,
+                  native_ms=ms["native"], xla_ms=ms["xla"],
                   native_over_bound=ms["native"] / bound, xla_over_native=ms["xla"] / ms["native"],
                   block_read_ms=blocks_ms, native_over_block_read=blocks_ms and ms["native"] / blocks_ms,
                   block_read_modes_ms=blocks_modes,
                   max_abs_difference=diff, native_variant=available_variants()[0],
-                  runs_ms={name: [1e3 * s for s in t] for name, t in times.items()})
+                  runs_ms={name: [1e3 * sec for sec in t] for name, t in times.items()})
     blocks = f"  block read {blocks_ms:7.1f}" if blocks_ms else ""
     log(f"  {rows:>4} rows x {str(context):>6} {dtype:<8} blocks of {block_size:<3} bound {bound:7.1f} ms{blocks}  "
         f"native {ms['native']:7.1f}  "
@@ -234,7 +260,7 @@ def plot(out: dict, path: Path) -> None:
         labels = [f"{c['rows']}x{c['context']}" + (f"\n/{c['block_size']}" if len(out["block_sizes"]) > 1 else "")
                   for c in cases]
         x = np.arange(len(cases))
-        bars = [("read_bound_ms", "read bound (sequential bandwidth)"),
+        bars = [("read_bound_ms", "read bound (reading as many bytes sequentially)"),
                 ("block_read_ms", "reading the same blocks, no arithmetic"),
                 ("native_ms", "native kernel"), ("xla_ms", "XLA path")]
         bars = [(key, label) for key, label in bars if all(c.get(key) for c in cases)]
@@ -257,20 +283,21 @@ def plot(out: dict, path: Path) -> None:
 def print_table(out: dict) -> None:
     print(f"\nbandwidth {out['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s; ms per decode step of {LAYERS} layers")
     print("| pool | rows | context | block size | read bound | block read | native | XLA | native / bound "
-          "| native / block read | XLA / native |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| native / bandwidth bound | native / block read | XLA / native |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in out["cases"]:
         blocks = ((f"{c['block_read_ms']:.0f}", f"{c['native_over_block_read']:.2f}") if c["block_read_ms"]
                   else ("-", "-"))
         print(f"| {c['dtype']} | {c['rows']} | {c['context']} | {c['block_size']} | {c['read_bound_ms']:.0f} | "
               f"{blocks[0]} | "
-              f"{c['native_ms']:.0f} | {c['xla_ms']:.0f} | {c['native_over_bound']:.2f} | {blocks[1]} | "
+              f"{c['native_ms']:.0f} | {c['xla_ms']:.0f} | {c['native_over_bound']:.2f} | "
+              f"{c['native_ms'] / c['read_bound_of_bandwidth_ms']:.2f} | {blocks[1]} | "
               f"{c['xla_over_native']:.1f}x |")
 
 
 def main(argv=None) -> dict:
     parser = common.bench_parser(__doc__.splitlines()[0], f"cases {QUICK} (default {FULL})")
-    parser.add_argument("--reps", type=int, default=5, help="timed runs per backend and case")
+    parser.add_argument("--reps", type=int, default=7, help="timed runs of each backend and read, per case")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="pool dtypes, comma-separated")
     parser.add_argument("--block-sizes", default="16", help="tokens per KV block, comma-separated (default 16; "
                         "others write attention_cpu_block_sizes*.json)")
