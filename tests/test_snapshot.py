@@ -123,6 +123,10 @@ def test_restoring_into_another_model_or_geometry_is_refused(paused, default_mod
     other = default_model.params.replace(final_norm=default_model.params.final_norm * 1.5)
     with pytest.raises(ValueError, match="saved with another model .*give the saved model"):
         LLMEngine.restore(path, loaded=dataclasses.replace(default_model, params=other))
+    # another configuration is refused before the engine is built: these weights (none) are never read
+    other_config = dataclasses.replace(default_model.config, rope_theta=default_model.config.rope_theta * 2)
+    with pytest.raises(ValueError, match="saved with another model .* has another configuration: give the saved"):
+        LLMEngine.restore(path, loaded=dataclasses.replace(default_model, config=other_config, params=None))
 
 
 def test_missing_foreign_and_truncated_directories_are_named(paused, default_model, tmp_path):

@@ -136,10 +136,12 @@ def read_manifest(path) -> tuple[int, dict]:
 def restore(cls, path, *, loaded=None, **overrides):
     """An engine of class `cls` built with the saved settings (and `overrides` among
     RESTORE_OVERRIDES) and the saved state. Raises ValueError, before any state is read, for a
-    model or a pool geometry other than the saved ones."""
+    model or a pool geometry other than the saved ones; for a model of another configuration,
+    before the engine is built (its weights read, its pool allocated)."""
     import orbax.checkpoint as ocp
 
     from jpaged.engine.config import EngineConfig
+    from jpaged.weights import read_config
 
     _one_process("restored")
     path = pathlib.Path(path).absolute()
@@ -151,8 +153,17 @@ def restore(cls, path, *, loaded=None, **overrides):
                          f"given, not {', '.join(other)}")
     kv = manifest["kv"]
     settings = {**manifest["engine_config"], "num_blocks": kv["num_blocks"], **overrides}
+    saved = manifest["model"]
+    # another architecture is refused from the model's config alone, before its weights are read (the
+    # end-of-turn tokens are left out: the files' metadata may not name them all, see read_config)
+    config = loaded.config if loaded is not None else read_config(settings["model"])
+    shape = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(config))).items() if k != "eos_token_ids"}
+    if any(saved["config"].get(k) != v for k, v in shape.items()):
+        source = loaded.path if loaded is not None else settings["model"] or "the default model"
+        raise ValueError(f"{where}: saved with another model ({saved['source']}); {source} has another "
+                         "configuration: give the saved model (model=... or loaded=...)")
     engine = cls(EngineConfig(**settings), loaded=loaded)
-    saved, have = manifest["model"], model_identity(engine.model)
+    have = model_identity(engine.model)
     if saved["config"] != json.loads(json.dumps(have["config"])) or saved["fingerprint"] != have["fingerprint"]:
         raise ValueError(f"{where}: saved with another model ({saved['source']}, fingerprint {saved['fingerprint']}); "
                          f"this one is {have['source']} (fingerprint {have['fingerprint']}): give the saved model "
