@@ -39,6 +39,11 @@ KEEP = 2  # saves kept in a directory, newest first
 RESTORE_OVERRIDES = ("model", "attention_backend", "interpret")
 
 
+def saved_config(config) -> dict:
+    """A `ModelConfig` as the manifest holds it (JSON: tuples become lists), to compare with one read back."""
+    return json.loads(json.dumps(dataclasses.asdict(config)))
+
+
 def model_identity(model) -> dict:
     """A `LoadedModel`'s config and a fingerprint of its parameters: sha256 over ~4,096 evenly
     spaced values of every array, rounded to bfloat16 (so a model kept in float32 on a CPU and in
@@ -48,7 +53,7 @@ def model_identity(model) -> dict:
         flat = jnp.ravel(leaf)
         sample = flat[::max(1, flat.size // 4096)].astype(jnp.bfloat16).astype(jnp.float32)
         digest.update(np.asarray(sample).tobytes())
-    return {"config": dataclasses.asdict(model.config), "fingerprint": digest.hexdigest()[:32],
+    return {"config": saved_config(model.config), "fingerprint": digest.hexdigest()[:32],
             "source": str(model.path)}
 
 
@@ -157,14 +162,13 @@ def restore(cls, path, *, loaded=None, **overrides):
     # another architecture is refused from the model's config alone, before its weights are read (the
     # end-of-turn tokens are left out: the files' metadata may not name them all, see read_config)
     config = loaded.config if loaded is not None else read_config(settings["model"])
-    shape = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(config))).items() if k != "eos_token_ids"}
-    if any(saved["config"].get(k) != v for k, v in shape.items()):
+    if any(saved["config"].get(k) != v for k, v in saved_config(config).items() if k != "eos_token_ids"):
         source = loaded.path if loaded is not None else settings["model"] or "the default model"
         raise ValueError(f"{where}: saved with another model ({saved['source']}); {source} has another "
                          "configuration: give the saved model (model=... or loaded=...)")
     engine = cls(EngineConfig(**settings), loaded=loaded)
     have = model_identity(engine.model)
-    if saved["config"] != json.loads(json.dumps(have["config"])) or saved["fingerprint"] != have["fingerprint"]:
+    if saved["config"] != have["config"] or saved["fingerprint"] != have["fingerprint"]:
         raise ValueError(f"{where}: saved with another model ({saved['source']}, fingerprint {saved['fingerprint']}); "
                          f"this one is {have['source']} (fingerprint {have['fingerprint']}): give the saved model "
                          "(model=... or loaded=...)")
