@@ -217,9 +217,9 @@ def run_case(rows, context, dtype, reps, bandwidth, rng, reader=None, block_size
     if reader is not None:
         reads, reads_bytes = read_timers(reader, k, v, tables, lens)
         assert reads_bytes == read_bytes, (reads_bytes, read_bytes)
+        for timer in reads.values():  # warm the page tables (the steps ran once above, compiling)
+            timer()
         timers.update(reads)
-    for timer in timers.values():  # warm: the page tables, the caches of what the runs share
-        timer()
     times = {name: [] for name in timers}
     for r in range(reps):  # alternating, forward then backward, so that drift in the machine's load is shared
         for name in (list(timers) if r % 2 == 0 else list(timers)[::-1]):
