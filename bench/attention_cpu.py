@@ -1,7 +1,7 @@
 """Decode attention on the CPU: the native kernel against the XLA path and the memory-read bound.
 
 One decode step's attention over the default model's 30 layers (3 KV heads x 64, 9 query heads),
-on a pool laid out as jpaged's ([layers, blocks, 16, kv_heads, head_dim]) with every row's blocks
+on a pool laid out as jpaged's ([layers, blocks, 2 (K, V), 16, kv_heads, head_dim]) with every row's blocks
 scattered at random, built as the engine builds it (zeros on transparent huge pages, then written
 in place; `--small-pages` leaves it on 4 KiB pages, as XLA allocates by default), in one jitted
 `lax.scan` over the layers as in the model (the pool is read in place at a traced layer index).
@@ -10,7 +10,7 @@ kernel (`jpaged.device.attention.native`, the variant this CPU runs best) and of
 (`xla_attend`, gathered key tiles), and of reading what the step reads with vector loads and no
 arithmetic, one thread per core (`bench/csrc/block_read.c`, compiled here with the system C compiler
 for this CPU):
-  - the read bound: reading as many bytes of the pools sequentially;
+  - the read bound: reading as many bytes of the pool sequentially;
   - the block-read time: reading the very blocks the step reads, layer by layer, the faster of plain
     loads and loads with each next block's pages touched ahead. Scattered blocks read slower than
     one sequential stream: this is what reading them costs here before any arithmetic.
@@ -97,13 +97,13 @@ def build_block_reader():
     return read
 
 
-def chunk_reader(read, k, v, offsets, sizes, prefetch: bool):
-    """An argument-free callable: reads (with `read`) the chunks (offsets, sizes, in bytes) of both
-    pools, K then V, the list cut into one contiguous part per core, each on its own thread; returns
-    the wall seconds. `prefetch`: each next chunk's pages touched ahead (see block_read.c)."""
+def chunk_reader(read, k_ptr: int, v_ptr: int, offsets, sizes, prefetch: bool):
+    """An argument-free callable: reads (with `read`) the chunks (offsets, sizes, in bytes) from the
+    addresses `k_ptr` and `v_ptr`, K then V, the list cut into one contiguous part per core, each on
+    its own thread; returns the wall seconds. `prefetch`: each next chunk's pages touched ahead (see
+    block_read.c). The caller keeps the memory behind the addresses alive."""
     offsets, sizes = np.ascontiguousarray(offsets, np.int64), np.ascontiguousarray(sizes, np.int64)
     parts = [part for part in np.array_split(np.arange(len(offsets)), os.cpu_count() or 1) if len(part)]
-    k_ptr, v_ptr = k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()
 
     def run():  # holds `offsets` and `sizes` (and so the memory the pointers below point into)
         calls = [functools.partial(read, k_ptr, v_ptr, offsets[part[0]:].ctypes.data,
@@ -113,24 +113,25 @@ def chunk_reader(read, k, v, offsets, sizes, prefetch: bool):
     return run
 
 
-def read_timers(read, k, v, tables, lens) -> tuple[dict, int]:
+def read_timers(read, pool, tables, lens) -> tuple[dict, int]:
     """({name: timer}, bytes) for the step's reads with no arithmetic (`chunk_reader`s):
-      - "sequential": as many bytes of each pool as the step reads, from its start, in 1 MiB chunks;
+      - "sequential": as many bytes of the pool as the step reads, from its start, in 1 MiB chunks;
       - "blocks" / "blocks, pages touched": the very blocks the step reads (the slots each row's
-        context fills), layer by layer and row by row, with plain loads / with each next block's
-        pages touched ahead."""
-    num_blocks, block_size = k.shape[1:3]
-    token = KV_HEADS * HEAD_DIM * k.dtype.itemsize
-    block = block_size * token
-    chunks = [((layer * num_blocks + b) * block, min(block_size, int(n) - block_size * j) * token)
+        context fills: of a block's K, then of its V beside it), layer by layer and row by row, with
+        plain loads / with each next block's pages touched ahead."""
+    num_blocks, block_size = pool.shape[1], pool.shape[3]
+    token = KV_HEADS * HEAD_DIM * pool.dtype.itemsize
+    block = block_size * token  # a block's K (its V follows)
+    chunks = [((layer * num_blocks + b) * 2 * block, min(block_size, int(n) - block_size * j) * token)
               for layer in range(LAYERS) for n, table in zip(lens, tables) for j, b in enumerate(table)]
     offsets, sizes = (np.array(a, np.int64) for a in zip(*chunks))
-    per_pool = int(sizes.sum())
-    starts = np.arange(0, per_pool, 2**20, dtype=np.int64)
-    timers = {"sequential": chunk_reader(read, k, v, starts, np.minimum(2**20, per_pool - starts), False),
-              "blocks": chunk_reader(read, k, v, offsets, sizes, False),
-              "blocks, pages touched": chunk_reader(read, k, v, offsets, sizes, True)}
-    return timers, 2 * per_pool
+    half = int(sizes.sum())  # of K, and as many of V
+    base = pool.unsafe_buffer_pointer()
+    starts = np.arange(0, half, 2**20, dtype=np.int64)
+    timers = {"sequential": chunk_reader(read, base, base + half, starts, np.minimum(2**20, half - starts), False),
+              "blocks": chunk_reader(read, base, base + block, offsets, sizes, False),
+              "blocks, pages touched": chunk_reader(read, base, base + block, offsets, sizes, True)}
+    return timers, 2 * half
 
 
 def context_lengths(rows: int, context, rng) -> np.ndarray:
@@ -140,7 +141,7 @@ def context_lengths(rows: int, context, rng) -> np.ndarray:
 
 
 def make_case(rows: int, context, dtype: str, rng, block_size: int = 16, huge_pages: bool = True):
-    """(pools, per-row block tables, context lengths) with every block of every row at a random place."""
+    """(pool, per-row block tables, context lengths) with every block of every row at a random place."""
     import jax
     import jax.numpy as jnp
 
@@ -155,10 +156,10 @@ def make_case(rows: int, context, dtype: str, rng, block_size: int = 16, huge_pa
     for n in blocks:
         tables.append(order[start:start + n].tolist())
         start += n
-    shape = (LAYERS, num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    shape = (LAYERS, num_blocks, 2, block_size, KV_HEADS, HEAD_DIM)
     store = storage_dtype(dtype)
     # as the engine's runner builds its pool: zeros on huge pages (jpaged.device.kv_cache), written in place
-    cache = KVCache(k=jnp.zeros(shape, store), v=jnp.zeros(shape, store))
+    cache = KVCache(kv=jnp.zeros(shape, store))
     if huge_pages:
         back_with_huge_pages(cache)
 
@@ -169,30 +170,28 @@ def make_case(rows: int, context, dtype: str, rng, block_size: int = 16, huge_pa
             values = jax.lax.bitcast_convert_type(values, store)
         return jax.lax.dynamic_update_slice(pool, values, (0,) * len(shape))
 
-    k = fill(cache.k, rng.standard_normal(shape, np.float32))
-    v = fill(cache.v, rng.standard_normal(shape, np.float32))
-    return k, v, tables, lens
+    return fill(cache.kv, rng.standard_normal(shape, np.float32)), tables, lens
 
 
 def step_fn(backend, inputs):
     """A jitted decode step's attention over every layer: each layer's output is the next one's query."""
     import jax
 
-    def step(q, k, v):
+    def step(q, pool):
         def layer(q, layer_id):
-            return backend.attend(q, k, v, layer_id, inputs, HEAD_DIM ** -0.5), None
+            return backend.attend(q, pool, layer_id, inputs, HEAD_DIM ** -0.5), None
         out, _ = jax.lax.scan(layer, q, np.arange(LAYERS, dtype=np.int32))
         return out
 
     return jax.jit(step)
 
 
-def seconds_of_step(fn, q, k, v) -> float:
+def seconds_of_step(fn, q, pool) -> float:
     """Wall seconds of one call of the jitted step `fn`, to its result."""
     import jax
 
     t = time.perf_counter()
-    jax.block_until_ready(fn(q, k, v))
+    jax.block_until_ready(fn(q, pool))
     return time.perf_counter() - t
 
 
@@ -205,17 +204,17 @@ def run_case(rows, context, dtype, reps, bandwidth, rng, reader=None, block_size
     from jpaged.device.batch import pack_rows
     from jpaged.device.model import _Row
 
-    k, v, tables, lens = make_case(rows, context, dtype, rng, block_size, huge_pages)
+    pool, tables, lens = make_case(rows, context, dtype, rng, block_size, huge_pages)
     packed = [_Row([0], int(n) - 1, [0], table) for n, table in zip(lens, tables)]
     inputs = pack_rows(packed, block_size=block_size, q_tile=1, k_tile=64)  # the runner's decode tiles
     q = rng.standard_normal((len(inputs.token_ids), HEADS, HEAD_DIM), np.float32)  # padded rows: see nothing
     fns = {"native": step_fn(NativeBackend(), inputs), "xla": step_fn(XLABackend(), inputs)}
-    outs = {name: jax.block_until_ready(fn(q, k, v)) for name, fn in fns.items()}  # compile
-    timers = {name: functools.partial(seconds_of_step, fn, q, k, v) for name, fn in fns.items()}
+    outs = {name: jax.block_until_ready(fn(q, pool)) for name, fn in fns.items()}  # compile
+    timers = {name: functools.partial(seconds_of_step, fn, q, pool) for name, fn in fns.items()}
     itemsize = np.dtype(np.float32 if dtype == "float32" else np.uint16).itemsize
     read_bytes = int(lens.sum()) * LAYERS * 2 * KV_HEADS * HEAD_DIM * itemsize
     if reader is not None:
-        reads, reads_bytes = read_timers(reader, k, v, tables, lens)
+        reads, reads_bytes = read_timers(reader, pool, tables, lens)
         assert reads_bytes == read_bytes, (reads_bytes, read_bytes)
         for timer in reads.values():  # warm the page tables (the steps ran once above, compiling)
             timer()

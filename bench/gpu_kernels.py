@@ -15,12 +15,15 @@ What it does, per head config (9 query / 3 KV heads, head_dim 64; 32 / 8, head_d
 dtype (bfloat16 everywhere, float32 on a subset):
 
 1. compiles ``paged_attention``, ``write_kv`` and ``copy_blocks`` (``interpret=False``) and
-   checks each against its ``*_reference`` on fresh random inputs;
+   checks each against its ``*_reference`` on fresh random inputs, on the kernels' pool layout
+   (one array, each block's K and V side by side: ``[num_blocks, 2, block_size, kv_heads,
+   head_dim]``, stacked over layers for write/copy);
 2. times paged attention (median of many runs, ``block_until_ready``) against
    (a) dense attention over the same K/V stored contiguously (``jax.nn.dot_product_attention``,
    XLA, and cuDNN where it accepts the shape) and (b) JAX's bundled
-   ``jax.experimental.pallas.ops.gpu.paged_attention`` (head-major pages, unscaled q: q is
-   pre-scaled for it), over batch 1-256, context 128-8192, block sizes 16 and 32;
+   ``jax.experimental.pallas.ops.gpu.paged_attention`` (separate head-major K and V pages,
+   unscaled q: q is pre-scaled for it), both fed layouts derived from the joint pool outside
+   the timing, over batch 1-256, context 128-8192, block sizes 16 and 32;
 3. reports achieved K/V read bandwidth (bytes of K and V in the context / time) and the ratios,
    and judges the goals: within 1.2x of dense at batch >= 32, no slower than the bundled op,
    > 50% of the H200's ~4.3 TB/s at long contexts (>= 4096 tokens).
@@ -162,23 +165,27 @@ def tolerance(dtype) -> float:
 
 
 def make_inputs(key, *, batch, context, block_size, num_heads, num_kv_heads, head_dim, dtype):
-    """A pool holding ``batch`` sequences of ``context`` tokens in randomly permuted blocks."""
+    """A pool holding ``batch`` sequences of ``context`` tokens in randomly permuted blocks.
+
+    The pool is ``kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]`` (one layer;
+    block ``b``'s K at ``kv_cache[b, 0]``, its V at ``kv_cache[b, 1]``).
+    """
     blocks_per_seq = -(-context // block_size)
     num_blocks = 1 + batch * blocks_per_seq  # + the null block 0
-    kq, kk, kv = jax.random.split(key, 3)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = jax.random.normal(kk, shape, jnp.float32).astype(dtype)
-    v_cache = jax.random.normal(kv, shape, jnp.float32).astype(dtype)
+    kq, kkv = jax.random.split(key)
+    shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
+    kv_cache = jax.random.normal(kkv, shape, jnp.float32).astype(dtype)
     q = jax.random.normal(kq, (batch, num_heads, head_dim), jnp.float32).astype(dtype)
     rng = np.random.default_rng(batch * 100003 + context)
     perm = rng.permutation(np.arange(1, num_blocks, dtype=np.int32))
     block_tables = jnp.asarray(perm.reshape(batch, blocks_per_seq))
     context_lens = jnp.full((batch,), context, jnp.int32)
-    return q, k_cache, v_cache, block_tables, context_lens
+    return q, kv_cache, block_tables, context_lens
 
 
 def bundled_paged_attention_fn(interpret: bool, pages_per_seq: int):
-    """JAX's bundled op (head-major pages, unscaled q), adapted to our layout outside timing."""
+    """JAX's bundled op (separate head-major K and V pages, unscaled q); the caller derives
+    its inputs from the joint pool outside the timing."""
     from jax.experimental.pallas.ops.gpu import paged_attention as bundled
 
     k_splits = 1
@@ -219,7 +226,7 @@ def measure_attention(report, args, cfg_name, shape, dtype, key) -> None:
     num_heads, num_kv_heads, head_dim = HEAD_CONFIGS[cfg_name]
     scale = head_dim**-0.5
     interpret = args.interpret
-    q, k_cache, v_cache, bt, cl = make_inputs(
+    q, kv_cache, bt, cl = make_inputs(
         key, batch=batch, context=context, block_size=block_size, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
     )
@@ -233,24 +240,26 @@ def measure_attention(report, args, cfg_name, shape, dtype, key) -> None:
                   max_s=0.0 if interpret else 0.5)
 
     paged = jax.jit(lambda *a: pk.paged_attention(*a, scale=scale, interpret=interpret))
-    out = paged(q, k_cache, v_cache, bt, cl)
+    out = paged(q, kv_cache, bt, cl)
     # Check against the reference on a few sequences (the reference gathers a contiguous copy).
     n_check = min(batch, 4)
     ref = pk.paged_attention_reference(
-        q[:n_check], k_cache, v_cache, bt[:n_check], cl[:n_check], scale=scale
+        q[:n_check], kv_cache, bt[:n_check], cl[:n_check], scale=scale
     )
     entry["max_abs_err_vs_reference"] = max_err(out[:n_check], ref)
     entry["check_ok"] = entry["max_abs_err_vs_reference"] <= tolerance(dtype)
-    entry["paged"] = time_fn(paged, q, k_cache, v_cache, bt, cl, **timing)
+    entry["paged"] = time_fn(paged, q, kv_cache, bt, cl, **timing)
     entry["paged"]["bytes_per_s"] = kv_bytes / entry["paged"]["median_s"]
     entry["paged"]["frac_of_peak"] = entry["paged"]["bytes_per_s"] / PEAK_BYTES_PER_S
     report.save()
 
     # (a) dense attention over the same K/V, contiguous [batch, context, kv_heads, head_dim].
     blocks_per_seq = bt.shape[1]
-    k_dense = k_cache[bt].reshape(batch, blocks_per_seq * block_size, num_kv_heads, head_dim)
-    v_dense = v_cache[bt].reshape(batch, blocks_per_seq * block_size, num_kv_heads, head_dim)
-    k_dense, v_dense = k_dense[:, :context], v_dense[:, :context]
+    seq_kv = kv_cache[bt]  # [batch, blocks_per_seq, 2, block_size, kv_heads, head_dim]
+    dense_shape = (batch, blocks_per_seq * block_size, num_kv_heads, head_dim)
+    k_dense = seq_kv[:, :, 0].reshape(dense_shape)[:, :context]
+    v_dense = seq_kv[:, :, 1].reshape(dense_shape)[:, :context]
+    del seq_kv
     impls = ["xla"] + ([] if interpret or dtype == jnp.float32 else ["cudnn"])
     for impl in impls:
         name = f"dense_{impl}"
@@ -268,8 +277,8 @@ def measure_attention(report, args, cfg_name, shape, dtype, key) -> None:
     # (b) JAX's bundled paged attention: pages [kv_heads, num_pages, page_size, head_dim].
     try:
         fn, params = bundled_paged_attention_fn(interpret, blocks_per_seq)
-        k_pages = jnp.transpose(k_cache, (2, 0, 1, 3))
-        v_pages = jnp.transpose(v_cache, (2, 0, 1, 3))
+        k_pages = jnp.transpose(kv_cache[:, 0], (2, 0, 1, 3))
+        v_pages = jnp.transpose(kv_cache[:, 1], (2, 0, 1, 3))
         q_scaled = (q.astype(jnp.float32) * scale).astype(dtype)
         bundled_out = fn(q_scaled, k_pages, v_pages, bt, cl)
         entry["bundled"] = time_fn(fn, q_scaled, k_pages, v_pages, bt, cl, **timing)
@@ -303,11 +312,10 @@ def check_other_kernels(report, args, cfg_name, dtype, key) -> None:
     interpret = args.interpret
     num_layers, num_blocks, block_size = (2, 12, 16) if interpret else (30, 4096, 16)
     num_tokens, num_pairs = (5, 3) if interpret else (256, 64)
-    k1, k2, k3, k4 = jax.random.split(key, 4)
-    shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = jax.random.normal(k1, shape, jnp.float32).astype(dtype)
-    v_cache = jax.random.normal(k2, shape, jnp.float32).astype(dtype)
-    new = jax.random.normal(k3, (2, num_tokens, num_kv_heads, head_dim), jnp.float32).astype(dtype)
+    k1, k2 = jax.random.split(key)
+    shape = (num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim)  # K, V side by side
+    kv_cache = jax.random.normal(k1, shape, jnp.float32).astype(dtype)
+    new = jax.random.normal(k2, (2, num_tokens, num_kv_heads, head_dim), jnp.float32).astype(dtype)
     rng = np.random.default_rng(5)
     slots = rng.choice(np.arange(block_size, num_blocks * block_size), num_tokens - 1, replace=False)
     slots = jnp.asarray(np.concatenate([slots, [0]]).astype(np.int32))  # one padded token
@@ -320,23 +328,21 @@ def check_other_kernels(report, args, cfg_name, dtype, key) -> None:
     entry = {"config": cfg_name, "dtype": jnp.dtype(dtype).name, "pool_shape": list(shape),
              "num_tokens": num_tokens, "num_pairs": num_pairs}
 
-    write = jax.jit(lambda kc, vc, k, v, s, l: pk.write_kv(kc, vc, k, v, s, layer=l,
-                                                          interpret=interpret))
-    got = write(k_cache, v_cache, new[0], new[1], slots, layer)
-    want = pk.write_kv_reference(k_cache, v_cache, new[0], new[1], slots, layer=layer)
-    entry["write_kv_exact"] = all(
-        bool(jnp.array_equal(g[:, 1:], w[:, 1:])) for g, w in zip(got, want)
-    )
+    write = jax.jit(lambda kv, k, v, s, l: pk.write_kv(kv, k, v, s, layer=l, interpret=interpret))
+    got = write(kv_cache, new[0], new[1], slots, layer)
+    want = pk.write_kv_reference(kv_cache, new[0], new[1], slots, layer=layer)
+    # (The null block 0 is skipped: the padded token writes there.)
+    entry["write_kv_exact"] = bool(jnp.array_equal(got[:, 1:], want[:, 1:]))
     del got, want
-    entry["write_kv"] = time_fn(write, k_cache, v_cache, new[0], new[1], slots, layer, **timing)
+    entry["write_kv"] = time_fn(write, kv_cache, new[0], new[1], slots, layer, **timing)
     report.save()
 
-    copy = jax.jit(lambda kc, vc, p: pk.copy_blocks(kc, vc, p, interpret=interpret))
-    got = copy(k_cache, v_cache, pairs)
-    want = pk.copy_blocks_reference(k_cache, v_cache, pairs)
-    entry["copy_blocks_exact"] = all(bool(jnp.array_equal(g, w)) for g, w in zip(got, want))
+    copy = jax.jit(lambda kv, p: pk.copy_blocks(kv, p, interpret=interpret))
+    got = copy(kv_cache, pairs)
+    want = pk.copy_blocks_reference(kv_cache, pairs)
+    entry["copy_blocks_exact"] = bool(jnp.array_equal(got, want))
     del got, want
-    entry["copy_blocks"] = time_fn(copy, k_cache, v_cache, pairs, **timing)
+    entry["copy_blocks"] = time_fn(copy, kv_cache, pairs, **timing)
     # (Timed without donation: each call also copies the pool, an upper bound. In the engine
     # the pool is donated and only the written rows move.)
     entry["note"] = "timed without donation: includes a copy of the whole pool per call"
@@ -360,7 +366,7 @@ def measure_variants(report, args, key) -> None:
         dict(num_splits=1),
     ]
     for batch, context in [(32, 4096), (1, 8192)]:
-        q, k_cache, v_cache, bt, cl = make_inputs(
+        q, kv_cache, bt, cl = make_inputs(
             key, batch=batch, context=context, block_size=16, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=jnp.bfloat16,
         )
@@ -370,7 +376,7 @@ def measure_variants(report, args, key) -> None:
                 return
             try:
                 fn = jax.jit(lambda *a, v=variant: pk.paged_attention(*a, scale=scale, **v))
-                t = time_fn(fn, q, k_cache, v_cache, bt, cl, min_runs=10, max_runs=100, max_s=0.3)
+                t = time_fn(fn, q, kv_cache, bt, cl, min_runs=10, max_runs=100, max_s=0.3)
                 t["bytes_per_s"] = kv_bytes / t["median_s"]
             except Exception as e:  # noqa: BLE001
                 t = {"error": f"{type(e).__name__}: {str(e)[:300]}"}

@@ -55,9 +55,9 @@ def run(num_requests: int, max_tokens: int, rounds: int, log=print) -> dict:
             tokens_per_s=sorted(speed[dtype])[len(speed[dtype]) // 2], rounds_tokens_per_s=speed[dtype],
             speed_vs_float32=sorted(speed[dtype])[rounds // 2] / sorted(speed["float32"])[rounds // 2],
             identical_requests=sum(p == max_tokens for p in prefix), mean_matching_prefix=sum(prefix) / len(prefix),
-            pool_storage=str(engine.runner.cache.k.dtype), parameters=str(engine.model.params.embed.dtype),
+            pool_storage=str(engine.runner.cache.kv.dtype), parameters=str(engine.model.params.embed.dtype),
             attention_backend=engine.runner.backend.name,  # what 'auto' chose
-            pool_bytes=int(engine.runner.cache.k.nbytes * 2))
+            pool_bytes=int(engine.runner.cache.kv.nbytes))
     return results
 
 

@@ -100,7 +100,7 @@ def run(num_requests: int, max_tokens: int, num_blocks: int, log=print) -> dict:
         results[name] = dict(
             num_devices=len(runner.devices), rules=dict(runner.sharding.rules) if runner.sharding else {},
             kv_head_replication=runner.kv_head_replication, num_partitions=runner.num_partitions,
-            pool_shard_shape=list(runner.cache.k.addressable_shards[0].data.shape),
+            pool_shard_shape=list(runner.cache.kv.addressable_shards[0].data.shape),
             param_bytes_per_device=device_bytes(runner.params), pool_bytes_per_device=pool_device,
             kv_block_bytes_per_device=block_device, blocks_per_device_at_budget=BUDGET_BYTES // block_device,
             tokens_per_device_at_budget=BUDGET_BYTES // block_device * runner.block_size,

@@ -161,22 +161,22 @@ def default_report() -> list[dict]:
     rows = []
     for dtype in (jnp.bfloat16, jnp.float32):
         for heads, kv_heads, head_dim, block_size in [(9, 3, 64, 16), (32, 8, 128, 16)]:
-            pool = spec((30, 4096, block_size, kv_heads, head_dim), dtype)
+            pool = spec((30, 4096, 2, block_size, kv_heads, head_dim), dtype)  # K, V side by side
             layer = spec((), jnp.int32)
             cases = {
                 "paged_attention": (
                     functools.partial(paged_attention, scale=head_dim**-0.5),
-                    (spec((32, heads, head_dim), dtype), pool, pool, spec((32, 256), jnp.int32),
+                    (spec((32, heads, head_dim), dtype), pool, spec((32, 256), jnp.int32),
                      spec((32,), jnp.int32)),
                     {"layer": layer},
                 ),
                 "write_kv": (
                     write_kv,
-                    (pool, pool, spec((64, kv_heads, head_dim), dtype),
+                    (pool, spec((64, kv_heads, head_dim), dtype),
                      spec((64, kv_heads, head_dim), dtype), spec((64,), jnp.int32)),
                     {"layer": layer},
                 ),
-                "copy_blocks": (copy_blocks, (pool, pool, spec((16, 2), jnp.int32)), {}),
+                "copy_blocks": (copy_blocks, (pool, spec((16, 2), jnp.int32)), {}),
             }
             for fn, args, kwargs in cases.values():
                 for module in triton_modules(fn, *args, **kwargs):

@@ -13,11 +13,14 @@ a CPU instead of compiling for a GPU):
 * :func:`copy_blocks` (:mod:`pallas_kernels.block_copy`): every copy-on-write block copy of a
   step, all layers, K and V, in one launch, in place.
 
-KV pool layout (shared with the engine): ``k_cache, v_cache: f[num_layers, num_blocks,
-block_size, num_kv_heads, head_dim]`` (or one layer, ``f[num_blocks, block_size, num_kv_heads,
-head_dim]``); ``slot = block_id * block_size + offset``; block 0 is the null block that padded
-block-table entries and padded tokens' slots point into. Kernels take the stacked pool and a
-(traced) ``layer`` index: slicing a layer out of the pool would copy it.
+KV pool layout (shared with the engine): one array, ``kv_cache: f[num_layers, num_blocks, 2,
+block_size, num_kv_heads, head_dim]`` (or one layer, ``f[num_blocks, 2, block_size,
+num_kv_heads, head_dim]``), where ``kv_cache[..., b, 0, :, :, :]`` is block ``b``'s K and
+``kv_cache[..., b, 1, :, :, :]`` its V: each (layer, block) holds its K and then its V
+contiguously, so a block is one run of memory (as in FlashInfer's paged layout).
+``slot = block_id * block_size + offset``; block 0 is the null block that padded block-table
+entries and padded tokens' slots point into. Kernels take the stacked pool and a (traced)
+``layer`` index: slicing a layer out of the pool would copy it.
 
 Backend choice: the kernels are Triton-style Pallas (``pallas_call`` with a grid, whole-pool
 refs indexed dynamically through the block table inside the kernel, Triton compiler params).

@@ -30,42 +30,45 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
-def check_pool(k_cache, v_cache, layer, *, what: str) -> None:
-    """Checks that K and V pools agree and that ``layer`` matches the pool's rank.
+def check_pool(kv_cache, layer, *, what: str) -> None:
+    """Checks the pool's layout against ``layer``.
 
-    Pools are ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` (with
-    ``layer``) or ``[num_blocks, block_size, num_kv_heads, head_dim]`` (``layer=None``).
+    The pool is one array holding each block's K and then its V:
+    ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]`` (with ``layer``) or
+    ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (``layer=None``); axis -4 is the
+    K/V axis (``0``: K, ``1``: V).
     """
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError(
-            f"{what}: k_cache {describe(k_cache)} and v_cache {describe(v_cache)} must have "
-            "the same shape and dtype"
-        )
     if layer is None:
-        if k_cache.ndim != 4:
+        if kv_cache.ndim != 5:
             raise ValueError(
                 f"{what}: with layer=None the pool must be "
-                "[num_blocks, block_size, num_kv_heads, head_dim]; got k_cache "
-                f"{describe(k_cache)} (pass layer= for a stacked "
-                "[num_layers, num_blocks, block_size, num_kv_heads, head_dim] pool)"
+                "[num_blocks, 2, block_size, num_kv_heads, head_dim]; got kv_cache "
+                f"{describe(kv_cache)} (pass layer= for a stacked "
+                "[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim] pool)"
             )
     else:
-        if k_cache.ndim != 5:
+        if kv_cache.ndim != 6:
             raise ValueError(
                 f"{what}: with layer= the pool must be stacked "
-                "[num_layers, num_blocks, block_size, num_kv_heads, head_dim]; got k_cache "
-                f"{describe(k_cache)}"
+                "[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]; got kv_cache "
+                f"{describe(kv_cache)}"
             )
         if jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
             raise ValueError(f"{what}: layer must be an integer scalar; got {layer!r}")
-    if not jnp.issubdtype(k_cache.dtype, jnp.floating):
-        raise ValueError(f"{what}: k_cache {describe(k_cache)} must be floating point")
+    if kv_cache.shape[-4] != 2:
+        raise ValueError(
+            f"{what}: axis -4 of the pool is the K/V axis and must have size 2 "
+            "([..., num_blocks, 2, block_size, num_kv_heads, head_dim], K then V); got kv_cache "
+            f"{describe(kv_cache)}"
+        )
+    if not jnp.issubdtype(kv_cache.dtype, jnp.floating):
+        raise ValueError(f"{what}: kv_cache {describe(kv_cache)} must be floating point")
 
 
 def stacked(cache, layer):
     """The pool as ``[num_layers, ...]`` plus the layer as ``i32[1]``.
 
-    A 4-D pool gets a unit leading axis (a reshape, which XLA treats as a bitcast: no copy).
+    A one-layer pool gets a unit leading axis (a reshape, which XLA treats as a bitcast: no copy).
     """
     if layer is None:
         return cache[None], jnp.zeros((1,), jnp.int32)

@@ -1,10 +1,11 @@
 """Paged attention for decode (PagedAttention, section 4.1 / 5.1): one query token per sequence.
 
 Each sequence's K/V live in fixed-size blocks of a shared pool,
-``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``; its block table maps logical
-block ``i`` (tokens ``i*block_size ..``) to a physical block id. The kernel walks the block table
-itself and loads each K/V block straight from the pool: nothing is gathered into a contiguous
-copy first.
+``kv_cache: [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]``, where
+``kv_cache[layer, b, 0]`` is block ``b``'s K and ``kv_cache[layer, b, 1]`` its V (each block's
+K and V side by side in memory); its block table maps logical block ``i`` (tokens
+``i*block_size ..``) to a physical block id. The kernel walks the block table itself and loads
+each block's K and V straight from the pool: nothing is gathered into a contiguous copy first.
 
 Kernel design (Triton-style Pallas; one program per ``(sequence, kv_head, context split)``):
 
@@ -67,8 +68,7 @@ def _kernel(
     block_tables_ref,  # i32[batch, num_splits * blocks_per_split]
     context_lens_ref,  # i32[batch]
     q_ref,  # [rows, head_dim] (this sequence and KV head)
-    k_ref,  # [num_layers, num_blocks, block_size, num_kv_heads, head_dim] (whole pool)
-    v_ref,  # same
+    kv_ref,  # [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim] (whole pool)
     # outputs
     acc_ref,  # f32[rows, head_dim]
     m_ref,  # f32[rows]
@@ -82,10 +82,10 @@ def _kernel(
     seq = pl.program_id(0)
     kv_head = pl.program_id(1)
     split = pl.program_id(2)
-    block_size = k_ref.shape[2]
+    block_size = kv_ref.shape[3]
     rows, head_dim = q_ref.shape
     tile = blocks_per_iter * block_size
-    kv_dtype = k_ref.dtype
+    kv_dtype = kv_ref.dtype
     exact_f32 = kv_dtype == jnp.float32
 
     layer = layer_ref[0]
@@ -102,12 +102,12 @@ def _kernel(
         start = first_block + i * blocks_per_iter
         if blocks_per_iter == 1:
             block_id = block_tables_ref[seq, start]
-            k = k_ref[layer, block_id, :, kv_head, :]  # [block_size, head_dim]
-            v = v_ref[layer, block_id, :, kv_head, :]
+            k = kv_ref[layer, block_id, 0, :, kv_head, :]  # [block_size, head_dim]
+            v = kv_ref[layer, block_id, 1, :, kv_head, :]
         else:
             block_ids = block_tables_ref[seq, pl.ds(start, blocks_per_iter)]
-            k = k_ref[layer, block_ids, :, kv_head, :].reshape(tile, head_dim)
-            v = v_ref[layer, block_ids, :, kv_head, :].reshape(tile, head_dim)
+            k = kv_ref[layer, block_ids, 0, :, kv_head, :].reshape(tile, head_dim)
+            v = kv_ref[layer, block_ids, 1, :, kv_head, :].reshape(tile, head_dim)
         positions = start * block_size + lax.broadcasted_iota(jnp.int32, (tile,), 0)
         valid = positions < context_len  # [tile]
 
@@ -162,23 +162,23 @@ def _default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, per_iter
     return max(1, min(wanted, most))
 
 
-def _validate(q, k_cache, v_cache, block_tables, context_lens, layer, blocks_per_iter, interpret):
+def _validate(q, kv_cache, block_tables, context_lens, layer, blocks_per_iter, interpret):
     what = "paged_attention"
-    check_pool(k_cache, v_cache, layer, what=what)
-    block_size, num_kv_heads, head_dim = k_cache.shape[-3:]
+    check_pool(kv_cache, layer, what=what)
+    block_size, num_kv_heads, head_dim = kv_cache.shape[-3:]
     if q.ndim != 3:
         raise ValueError(f"{what}: q must be [batch, num_heads, head_dim]; got q {describe(q)}")
     batch, num_heads, q_head_dim = q.shape
     if q_head_dim != head_dim:
         raise ValueError(
-            f"{what}: head_dim of q {describe(q)} and k_cache {describe(k_cache)} differ"
+            f"{what}: head_dim of q {describe(q)} and kv_cache {describe(kv_cache)} differ"
         )
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"{what}: q {describe(q)} must be floating point")
     if num_heads % num_kv_heads:
         raise ValueError(
             f"{what}: num_heads of q {describe(q)} must be a multiple of num_kv_heads of "
-            f"k_cache {describe(k_cache)}"
+            f"kv_cache {describe(kv_cache)}"
         )
     if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.dtype != jnp.int32:
         raise ValueError(
@@ -196,7 +196,7 @@ def _validate(q, k_cache, v_cache, block_tables, context_lens, layer, blocks_per
     if not is_power_of_2(head_dim) or not is_power_of_2(block_size):
         raise ValueError(
             f"{what}: head_dim and block_size must be powers of two (Triton tiles); got "
-            f"k_cache {describe(k_cache)}"
+            f"kv_cache {describe(kv_cache)}"
         )
     if blocks_per_iter is not None:
         if not is_power_of_2(blocks_per_iter):
@@ -204,7 +204,7 @@ def _validate(q, k_cache, v_cache, block_tables, context_lens, layer, blocks_per
         if not interpret and blocks_per_iter * block_size < _MIN_DOT_DIM:
             raise ValueError(
                 f"{what}: blocks_per_iter * block_size = {blocks_per_iter * block_size} must be "
-                f">= {_MIN_DOT_DIM} on the GPU (tl.dot); k_cache {describe(k_cache)}"
+                f">= {_MIN_DOT_DIM} on the GPU (tl.dot); kv_cache {describe(kv_cache)}"
             )
 
 
@@ -221,8 +221,7 @@ def _validate(q, k_cache, v_cache, block_tables, context_lens, layer, blocks_per
 )
 def paged_attention(
     q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
+    kv_cache: jax.Array,
     block_tables: jax.Array,
     context_lens: jax.Array,
     *,
@@ -240,10 +239,11 @@ def paged_attention(
       q: ``f[batch, num_heads, head_dim]`` (f32, bf16 or f16), the new tokens' queries, NOT
         pre-scaled. Query head ``i`` uses KV head ``i // (num_heads // num_kv_heads)``. Best in
         the pool's dtype (a 16-bit dot); another dtype makes ``q @ k.T`` a float32 dot.
-      k_cache: ``f[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` with ``layer``,
-        or ``f[num_blocks, block_size, num_kv_heads, head_dim]`` without (f32, bf16 or f16).
-        ``head_dim`` and ``block_size`` are powers of two.
-      v_cache: same shape and dtype as ``k_cache``.
+      kv_cache: the K/V pool, ``f[num_layers, num_blocks, 2, block_size, num_kv_heads,
+        head_dim]`` with ``layer``, or ``f[num_blocks, 2, block_size, num_kv_heads, head_dim]``
+        without (f32, bf16 or f16): ``kv_cache[..., b, 0, :, :, :]`` is block ``b``'s K,
+        ``kv_cache[..., b, 1, :, :, :]`` its V. ``head_dim`` and ``block_size`` are powers of
+        two.
       block_tables: ``i32[batch, max_blocks_per_seq]``, physical block ids in
         ``[0, num_blocks)``; entries past a sequence's last block are never read (pad with the
         null block 0).
@@ -260,9 +260,9 @@ def paged_attention(
     Returns:
       ``f[batch, num_heads, head_dim]`` in the dtype of ``q``.
     """
-    _validate(q, k_cache, v_cache, block_tables, context_lens, layer, blocks_per_iter, interpret)
+    _validate(q, kv_cache, block_tables, context_lens, layer, blocks_per_iter, interpret)
     batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[-3], k_cache.shape[-2]
+    block_size, num_kv_heads = kv_cache.shape[-3], kv_cache.shape[-2]
     q_per_kv = num_heads // num_kv_heads
     max_blocks = block_tables.shape[1]
 
@@ -279,8 +279,7 @@ def paged_attention(
     if rows != q_per_kv:
         q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - q_per_kv), (0, 0)))
 
-    k5, layer_arr = stacked(k_cache, layer)
-    v5, _ = stacked(v_cache, layer)
+    kv6, layer_arr = stacked(kv_cache, layer)
 
     kernel = functools.partial(
         _kernel,
@@ -298,8 +297,7 @@ def paged_attention(
             whole,  # block_tables
             whole,  # context_lens
             pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
-            whole,  # k pool
-            whole,  # v pool
+            whole,  # K/V pool
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
@@ -314,7 +312,7 @@ def paged_attention(
         compiler_params=_compat.compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_attention",
-    )(layer_arr, block_tables, context_lens, q4, k5, v5)
+    )(layer_arr, block_tables, context_lens, q4, kv6)
 
     acc = acc[:, :, :, :q_per_kv]
     m = m[:, :, :, :q_per_kv]
@@ -336,8 +334,7 @@ def _merge_splits(acc, m, l):
 @functools.partial(jax.jit, static_argnames=("scale",))
 def paged_attention_reference(
     q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
+    kv_cache: jax.Array,
     block_tables: jax.Array,
     context_lens: jax.Array,
     *,
@@ -349,18 +346,18 @@ def paged_attention_reference(
     Same arguments and result as :func:`paged_attention`. Gathers a contiguous copy of every
     sequence's context, so it is for testing, not for serving.
     """
-    check_pool(k_cache, v_cache, layer, what="paged_attention_reference")
+    check_pool(kv_cache, layer, what="paged_attention_reference")
     batch, num_heads, head_dim = q.shape
     if layer is not None:
-        k_cache = k_cache[layer]
-        v_cache = v_cache[layer]
-    _, block_size, num_kv_heads, _ = k_cache.shape
+        kv_cache = kv_cache[layer]
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
     max_blocks = block_tables.shape[1]
     q_per_kv = num_heads // num_kv_heads
     seq_len = max_blocks * block_size
 
-    k = k_cache[block_tables].reshape(batch, seq_len, num_kv_heads, head_dim)
-    v = v_cache[block_tables].reshape(batch, seq_len, num_kv_heads, head_dim)
+    kv = kv_cache[block_tables]  # [batch, max_blocks, 2, block_size, num_kv_heads, head_dim]
+    k = kv[:, :, 0].reshape(batch, seq_len, num_kv_heads, head_dim)
+    v = kv[:, :, 1].reshape(batch, seq_len, num_kv_heads, head_dim)
     valid = jnp.arange(seq_len)[None, :] < context_lens[:, None]  # [batch, seq_len]
     k = jnp.where(valid[:, :, None, None], k, 0).astype(jnp.float32)
     v = jnp.where(valid[:, :, None, None], v, 0).astype(jnp.float32)

@@ -115,7 +115,7 @@ def replication_check() -> dict:
         logits[name] = (first, second, runner)
     runner = logits["tp6"][2]
     return {"kv_head_replication": runner.kv_head_replication,
-            "shard_shapes": [list(s.data.shape) for s in runner.cache.k.addressable_shards],
+            "shard_shapes": [list(s.data.shape) for s in runner.cache.kv.addressable_shards],
             "max_abs_diff": max(float(np.abs(a - b).max()) for a, b in zip(logits["one"][:2], logits["tp6"][:2])),
             "max_abs_logit": float(np.abs(logits["one"][0]).max())}
 
@@ -148,21 +148,21 @@ def main() -> None:
         dp, result[f"dp2_{mode}"] = engine_run(model, data_parallel_size=2, **extra)
         both, result[f"dp2xtp3_{mode}"] = engine_run(model, data_parallel_size=2, tensor_parallel_size=3, **extra)
         llm, result[f"tp3_{mode}"] = engine_run(model, tensor_parallel_size=3, **extra)
-    result["dp_pool_shards"] = [list(s.data.shape) for s in dp.engine.runner.cache.k.addressable_shards]
+    result["dp_pool_shards"] = [list(s.data.shape) for s in dp.engine.runner.cache.kv.addressable_shards]
     result["dp_collectives"] = {f"{name}:{i}": collectives(ex) for i, ((name, _), ex)
                                 in enumerate(dp.engine.runner.executables.items()) if name.endswith("_step")}
     result["dp_ranks"] = dp.engine.scheduler.block_manager.num_partitions
-    result["both_pool_shards"] = [list(s.data.shape) for s in both.engine.runner.cache.k.addressable_shards]
+    result["both_pool_shards"] = [list(s.data.shape) for s in both.engine.runner.cache.kv.addressable_shards]
     result["both_collectives"] = {f"{name}:{i}": collectives(ex) for i, ((name, _), ex)
                                   in enumerate(both.engine.runner.executables.items()) if name.endswith("_step")}
     runner = llm.engine.runner
-    result["pool_sharding"] = str(runner.cache.k.sharding.spec)
-    result["pool_shards"] = [[str(s.device), list(s.data.shape)] for s in runner.cache.k.addressable_shards]
-    result["pool_shape"] = list(runner.cache.k.shape)
+    result["pool_sharding"] = str(runner.cache.kv.sharding.spec)
+    result["pool_shards"] = [[str(s.device), list(s.data.shape)] for s in runner.cache.kv.addressable_shards]
+    result["pool_shape"] = list(runner.cache.kv.shape)
     result["collectives"] = {f"{name}:{i}": collectives(ex) for i, ((name, _), ex)
                              in enumerate(runner.executables.items()) if name.endswith("_step")}
     result["num_layers"] = model.config.num_layers
-    result["pool_copies"] = {f"{name}:{i}": pool_copies(ex, runner.cache.k.addressable_shards[0].data.shape)
+    result["pool_copies"] = {f"{name}:{i}": pool_copies(ex, runner.cache.kv.addressable_shards[0].data.shape)
                              for i, ((name, _), ex) in enumerate(runner.executables.items()) if name.endswith("_step")}
     # the Pallas kernels (interpret mode) under shard_map against the XLA path on one device
     few, params = PROMPTS[3:6], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -208,7 +208,7 @@ def process_main(address: str, num_processes: int, process_id: int) -> None:
     runner = llm.engine.runner
     result.update(process_id=jax.process_index(), local_devices=jax.local_device_count(),
                   max_tokens=[p.max_tokens for p in SHORT], executables=sorted({name for name, _ in runner.executables}),
-                  local_pool_shards=[list(s.data.shape) for s in runner.cache.k.addressable_shards])
+                  local_pool_shards=[list(s.data.shape) for s in runner.cache.kv.addressable_shards])
     # the CLI's flags for the runtime (already joined): process 0 prints, the others take its prompt and print nothing
     llm_engine.load_model = lambda path, dtype=None: model
     result["cli"] = cli_error("--coordinator-address", address, "--num-processes", str(num_processes), "--process-id",

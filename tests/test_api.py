@@ -118,7 +118,7 @@ def test_bad_model_paths(tmp_path):
 
 def test_num_blocks_counts_the_null_block(llm):
     assert llm.engine.num_blocks == LLM_NUM_BLOCKS
-    assert llm.engine.runner.cache.k.shape[1] == LLM_NUM_BLOCKS  # the pool has exactly num_blocks blocks
+    assert llm.engine.runner.cache.kv.shape[1] == LLM_NUM_BLOCKS  # the pool has exactly num_blocks blocks
     llm.generate(GOOD, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     stats = llm.engine.stats()
     assert stats["num_blocks"] == LLM_NUM_BLOCKS and stats["num_free_blocks"] == LLM_NUM_BLOCKS - 1

@@ -65,17 +65,18 @@ def test_tiled_attention_matches_references(kind, block_size, q_tile, k_tile):
     shape = (NUM_LAYERS, NUM_BLOCKS, block_size, NUM_KV_HEADS, HEAD_DIM)
     k_pool = rng.standard_normal(shape).astype(np.float32)
     v_pool = rng.standard_normal(shape).astype(np.float32)
+    pool = np.stack([k_pool, v_pool], axis=2)  # the engine's layout: [layers, blocks, 2 (K, V), ...]
     rows = make_rows(specs, block_size, rng)
     inputs = pack_rows(rows, block_size=block_size, q_tile=q_tile, k_tile=k_tile)
     q = rng.standard_normal((inputs.token_ids.shape[0], NUM_HEADS, HEAD_DIM)).astype(np.float32)
     plan = jax.tree.map(jnp.asarray, inputs.plan)
-    out = np.asarray(jax.jit(xla_attend, static_argnums=(5,))(q, k_pool, v_pool, 1, plan, 0.3))
+    out = np.asarray(jax.jit(xla_attend, static_argnums=(4,))(q, pool, 1, plan, 0.3))
     start = 0
     for row in rows:
         n = len(row.token_ids)
         expected = numpy_attention(q[start:start + n], k_pool, v_pool, 1, row, 0.3, block_size)
         np.testing.assert_allclose(out[start:start + n], expected, atol=2e-5, rtol=2e-5)
-        gathered = gather_attend(q[None, start:start + n], k_pool, v_pool, 1, np.asarray([row.block_table]),
+        gathered = gather_attend(q[None, start:start + n], pool, 1, np.asarray([row.block_table]),
                                  np.asarray([row.start_position + n]),
                                  np.arange(row.start_position, row.start_position + n)[None], 0.3)[0]
         np.testing.assert_allclose(out[start:start + n], np.asarray(gathered), atol=2e-5, rtol=2e-5)

@@ -4,7 +4,12 @@ Every kernel is checked three ways: kernel vs its ``jnp`` reference, kernel vs a
 straightforward numpy computation (float64, python loops over the block table), and reference vs
 that same numpy computation (so a wrong reference fails too). K/V pools are poisoned (NaN or
 huge values) everywhere a correct kernel must not read: the null block, unused blocks, the
-unused slots of each sequence's last block, and the other layers of a stacked pool.
+unused slots of each sequence's last block, and the other layers of a stacked pool, in both the
+K and the V half of each block.
+
+The pool is one array, ``kv_cache: [num_layers, num_blocks, 2, block_size, num_kv_heads,
+head_dim]`` (or one layer without the leading axis), block ``b``'s K at ``kv_cache[..., b, 0]``
+and its V at ``kv_cache[..., b, 1]``; the numpy checks index it that way themselves.
 
 Tolerances: float32 inputs agree to 1e-5 (absolute and relative). bfloat16 inputs are compared
 after rounding the float64 truth to bfloat16: within 2 bfloat16 ulps (rtol 2**-7) plus 1e-3
@@ -42,6 +47,11 @@ def poison_value(kind: str) -> float:
     return float("nan") if kind == "nan" else 1e30
 
 
+def joint(k, v):
+    """One pool from separate K and V pools: ``[..., num_blocks, 2, block_size, heads, dim]``."""
+    return np.stack([k, v], axis=-4)
+
+
 def make_attention_case(
     rng: np.random.Generator,
     *,
@@ -56,9 +66,11 @@ def make_attention_case(
     spare_blocks: int = 3,
     pad_columns: int = 2,
 ):
-    """A random pool, block tables (permuted, null-padded), queries, and the valid-slot mask.
+    """A random K/V pool, block tables (permuted, null-padded) and queries.
 
-    Returns numpy arrays (pool as float32 values already rounded to ``dtype``).
+    Returns numpy arrays (pool as float32 values already rounded to ``dtype``); ``kv_cache`` is
+    ``[num_layers, num_blocks, 2, block_size, heads, dim]`` (no leading axis when
+    ``num_layers`` is None), poisoned in both halves wherever a correct kernel must not read.
     """
     num_blocks_per_seq = [cdiv(c, block_size) for c in context_lens]
     num_blocks = 1 + sum(num_blocks_per_seq) + spare_blocks
@@ -84,24 +96,27 @@ def make_attention_case(
     q = rng.standard_normal((len(context_lens), num_heads, head_dim), dtype=np.float32)
     # Round to the test dtype so numpy sees exactly the kernel's inputs.
     q, k, v = (np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (q, k, v))
+    kv = joint(k, v)
     if num_layers is None:
-        k, v = k[0], v[0]
+        kv = kv[0]
     return dict(
         q=q,
-        k_cache=k,
-        v_cache=v,
+        kv_cache=kv,
         block_tables=block_tables,
         context_lens=np.asarray(context_lens, np.int32),
     )
 
 
-def numpy_dense_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale, layer=None):
-    """Independent float64 attention: walk each block table, concatenate, softmax."""
+def numpy_dense_attention(q, kv_cache, block_tables, context_lens, *, scale, layer=None):
+    """Independent float64 attention: walk each block table, concatenate, softmax.
+
+    Block ``b``'s K is ``kv_cache[b, 0]`` and its V ``kv_cache[b, 1]`` (of the layer's pool).
+    """
     q = np.asarray(q, np.float64)
     if layer is not None:
-        k_cache, v_cache = k_cache[layer], v_cache[layer]
+        kv_cache = kv_cache[layer]
     batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
     out = np.zeros_like(q)
     for b in range(batch):
@@ -109,8 +124,8 @@ def numpy_dense_attention(q, k_cache, v_cache, block_tables, context_lens, *, sc
         if ctx == 0:
             continue
         blocks = [block_tables[b, i] for i in range(cdiv(ctx, block_size))]
-        k = np.concatenate([k_cache[i] for i in blocks])[:ctx].astype(np.float64)
-        v = np.concatenate([v_cache[i] for i in blocks])[:ctx].astype(np.float64)
+        k = np.concatenate([kv_cache[i, 0] for i in blocks])[:ctx].astype(np.float64)
+        v = np.concatenate([kv_cache[i, 1] for i in blocks])[:ctx].astype(np.float64)
         for h in range(num_heads):
             kv = h // group
             scores = k[:, kv, :] @ q[b, h] * scale
@@ -130,9 +145,8 @@ def assert_close(actual, expected, dtype, what: str):
 
 
 def run_attention(case, dtype, *, scale, layer=None, **kwargs):
-    args = [jnp.asarray(case["q"], dtype), jnp.asarray(case["k_cache"], dtype),
-            jnp.asarray(case["v_cache"], dtype), jnp.asarray(case["block_tables"]),
-            jnp.asarray(case["context_lens"])]
+    args = [jnp.asarray(case["q"], dtype), jnp.asarray(case["kv_cache"], dtype),
+            jnp.asarray(case["block_tables"]), jnp.asarray(case["context_lens"])]
     out = paged_attention(*args, scale=scale, layer=layer, interpret=True, **kwargs)
     ref = paged_attention_reference(*args, scale=scale, layer=layer)
     assert out.shape == case["q"].shape and out.dtype == dtype
@@ -144,7 +158,7 @@ def check_attention(case, dtype, *, layer=None, **kwargs):
     scale = case["q"].shape[-1] ** -0.5
     out, ref = run_attention(case, dtype, scale=scale, layer=layer, **kwargs)
     dense = numpy_dense_attention(
-        case["q"], case["k_cache"], case["v_cache"], case["block_tables"], case["context_lens"],
+        case["q"], case["kv_cache"], case["block_tables"], case["context_lens"],
         scale=scale, layer=layer,
     )
     assert_close(ref, dense, dtype, "reference vs numpy dense")
@@ -200,13 +214,13 @@ def test_paged_attention_float32_queries_over_bfloat16_pool():
     )
     q = rng.standard_normal(case["q"].shape, dtype=np.float32)  # not bf16-representable
     scale = 0.125
-    args = (jnp.asarray(case["k_cache"], jnp.bfloat16), jnp.asarray(case["v_cache"], jnp.bfloat16),
-            case["block_tables"], case["context_lens"])
+    args = (jnp.asarray(case["kv_cache"], jnp.bfloat16), case["block_tables"],
+            case["context_lens"])
     out = paged_attention(q, *args, scale=scale, interpret=True)
     ref = paged_attention_reference(q, *args, scale=scale)
     assert out.dtype == jnp.float32 and ref.dtype == jnp.float32
-    dense = numpy_dense_attention(q, case["k_cache"], case["v_cache"], case["block_tables"],
-                                  case["context_lens"], scale=scale)
+    dense = numpy_dense_attention(q, case["kv_cache"], case["block_tables"], case["context_lens"],
+                                  scale=scale)
     # float32 math on bf16 values; p @ v keeps ~16 bits of p (two bf16 halves): 1e-4.
     np.testing.assert_allclose(np.asarray(out), dense, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(ref), dense, rtol=1e-5, atol=1e-5)
@@ -243,28 +257,27 @@ def test_paged_attention_in_layer_scan():
         rng, block_size=block_size, q_per_kv=2, head_dim=64, context_lens=[9, 3],
         dtype=jnp.float32, num_layers=num_layers, layer=0,
     )
-    k_pool = case["k_cache"].copy()
-    v_pool = case["v_cache"].copy()
-    k_pool[1], v_pool[1] = 2 * k_pool[0], -v_pool[0]  # layer 1: different, same valid slots
+    pool = case["kv_cache"].copy()
+    # layer 1: different K and V, same valid slots
+    pool[1, :, 0], pool[1, :, 1] = 2 * pool[0, :, 0], -pool[0, :, 1]
     bt, cl, q = (jnp.asarray(case[n]) for n in ("block_tables", "context_lens", "q"))
     scale = 64**-0.5
 
     @jax.jit
-    def all_layers(k_pool, v_pool):
-        def step(pools, layer):
-            out = paged_attention(q, *pools, bt, cl, scale=scale, layer=layer, interpret=True)
-            return pools, out
+    def all_layers(pool):
+        def step(pool, layer):
+            out = paged_attention(q, pool, bt, cl, scale=scale, layer=layer, interpret=True)
+            return pool, out
 
-        return jax.lax.scan(step, (k_pool, v_pool), jnp.arange(num_layers, dtype=jnp.int32))
+        return jax.lax.scan(step, pool, jnp.arange(num_layers, dtype=jnp.int32))
 
-    (k_out, _), outs = all_layers(jnp.asarray(k_pool), jnp.asarray(v_pool))
+    pool_out, outs = all_layers(jnp.asarray(pool))
     for layer in range(num_layers):
         dense = numpy_dense_attention(
-            case["q"], k_pool, v_pool, case["block_tables"], case["context_lens"],
-            scale=scale, layer=layer,
+            case["q"], pool, case["block_tables"], case["context_lens"], scale=scale, layer=layer,
         )
         assert_close(outs[layer], dense, jnp.float32, f"layer {layer}")
-    np.testing.assert_array_equal(np.asarray(k_out), k_pool)
+    np.testing.assert_array_equal(np.asarray(pool_out), pool)
 
 
 def test_paged_attention_zero_context_gives_zeros():
@@ -281,41 +294,46 @@ def test_paged_attention_zero_context_gives_zeros():
 
 def test_paged_attention_rejects_bad_shapes():
     q = jnp.zeros((2, 6, 64), jnp.float32)
-    pool = jnp.zeros((10, 16, 2, 64), jnp.float32)
+    pool = jnp.zeros((10, 2, 16, 2, 64), jnp.float32)
     bt = jnp.zeros((2, 4), jnp.int32)
     cl = jnp.ones((2,), jnp.int32)
-    with pytest.raises(ValueError, match=r"q f32\[2,6,32\].*k_cache f32\[10,16,2,64\]"):
-        paged_attention(jnp.zeros((2, 6, 32)), pool, pool, bt, cl, scale=1.0, interpret=True)
-    with pytest.raises(ValueError, match=r"k_cache f32\[10,16,2,64\] and v_cache f32\[10,16,2,32\]"):
-        paged_attention(q, pool, jnp.zeros((10, 16, 2, 32)), bt, cl, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match=r"q f32\[2,6,32\].*kv_cache f32\[10,2,16,2,64\]"):
+        paged_attention(jnp.zeros((2, 6, 32)), pool, bt, cl, scale=1.0, interpret=True)
     with pytest.raises(ValueError, match=r"block_tables i32\[3,4\] and q f32\[2,6,64\]"):
-        paged_attention(q, pool, pool, jnp.zeros((3, 4), jnp.int32), cl, scale=1.0, interpret=True)
-    with pytest.raises(ValueError, match=r"num_heads of q f32\[2,5,64\].*k_cache f32\[10,16,2,64\]"):
-        paged_attention(jnp.zeros((2, 5, 64)), pool, pool, bt, cl, scale=1.0, interpret=True)
-    with pytest.raises(ValueError, match=r"stacked"):
-        paged_attention(q, pool, pool, bt, cl, scale=1.0, layer=0, interpret=True)
+        paged_attention(q, pool, jnp.zeros((3, 4), jnp.int32), cl, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match=r"num_heads of q f32\[2,5,64\].*kv_cache f32\[10,2,16,2,"):
+        paged_attention(jnp.zeros((2, 5, 64)), pool, bt, cl, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match=r"stacked \[num_layers, num_blocks, 2, block_size"):
+        paged_attention(q, pool, bt, cl, scale=1.0, layer=0, interpret=True)
+    with pytest.raises(ValueError, match=r"got kv_cache f32\[3,10,2,16,2,64\] \(pass layer="):
+        paged_attention(q, pool[None].repeat(3, 0), bt, cl, scale=1.0, interpret=True)
+    # The old layout (separate K and V pools, no K/V axis) is refused, naming the new one.
+    with pytest.raises(ValueError, match=r"\[num_blocks, 2, block_size, num_kv_heads, head_dim\]; "
+                       r"got kv_cache f32\[10,16,2,64\]"):
+        paged_attention(q, jnp.zeros((10, 16, 2, 64)), bt, cl, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match=r"K/V axis and must have size 2.*f32\[10,3,16,2,64\]"):
+        paged_attention(q, jnp.zeros((10, 3, 16, 2, 64)), bt, cl, scale=1.0, interpret=True)
 
 
 # ---------------------------------------------------------------------------------------------
 # cache writer
 
 
-def numpy_write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None):
-    k_cache, v_cache = k_cache.copy(), v_cache.copy()
+def numpy_write_kv(kv_cache, k, v, slot_mapping, layer=None):
+    """K of token t to ``[(layer,) block, 0, offset]``, its V to ``[(layer,) block, 1, offset]``."""
+    kv_cache = kv_cache.copy()
+    block_size = kv_cache.shape[-3]
+    lead = () if layer is None else (layer,)
     for t, slot in enumerate(slot_mapping):
-        block_size = k_cache.shape[-3]
-        idx = (slot // block_size, slot % block_size)
-        if layer is not None:
-            idx = (layer, *idx)
-        k_cache[idx] = k[t]
-        v_cache[idx] = v[t]
-    return k_cache, v_cache
+        block, offset = slot // block_size, slot % block_size
+        kv_cache[(*lead, block, 0, offset)] = k[t]
+        kv_cache[(*lead, block, 1, offset)] = v[t]
+    return kv_cache
 
 
-def make_pool(rng, shape, dtype):
-    k = rng.standard_normal(shape, dtype=np.float32)
-    v = rng.standard_normal(shape, dtype=np.float32)
-    return (np.array(jnp.asarray(x, dtype)) for x in (k, v))  # writable copies
+def random_array(rng, shape, dtype):
+    """A writable numpy array of standard-normal values rounded to ``dtype``."""
+    return np.array(jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype))
 
 
 def assert_pools_equal(actual, expected, *, skip_null_block: bool, stacked: bool):
@@ -332,104 +350,109 @@ def assert_pools_equal(actual, expected, *, skip_null_block: bool, stacked: bool
 def test_write_kv(stacked, dtype):
     rng = np.random.default_rng(11)
     num_layers, num_blocks, block_size, heads, head_dim = 3, 9, 8, 3, 64
-    shape = (num_layers, num_blocks, block_size, heads, head_dim) if stacked else (
-        num_blocks, block_size, heads, head_dim)
-    k_cache, v_cache = make_pool(rng, shape, dtype)
+    shape = (num_blocks, 2, block_size, heads, head_dim)
+    if stacked:
+        shape = (num_layers, *shape)
+    kv_cache = random_array(rng, shape, dtype)
     num_real = 13
     slots = rng.choice(np.arange(block_size, num_blocks * block_size), num_real, replace=False)
     padded = rng.integers(0, block_size, 3)  # padded tokens: slots in the null block 0
     slot_mapping = np.concatenate([slots, padded]).astype(np.int32)
-    k, v = make_pool(rng, (len(slot_mapping), heads, head_dim), dtype)
+    k = random_array(rng, (len(slot_mapping), heads, head_dim), dtype)
+    v = random_array(rng, (len(slot_mapping), heads, head_dim), dtype)
     layer = 2 if stacked else None
 
-    out = write_kv(k_cache, v_cache, k, v, slot_mapping, layer=layer, interpret=True)
-    ref = write_kv_reference(k_cache, v_cache, k, v, slot_mapping, layer=layer)
-    expected = numpy_write_kv(k_cache, v_cache, k, v, slot_mapping, layer)
-    for got, want, truth in zip(out, ref, expected):
+    out = write_kv(kv_cache, k, v, slot_mapping, layer=layer, interpret=True)
+    ref = write_kv_reference(kv_cache, k, v, slot_mapping, layer=layer)
+    expected = numpy_write_kv(kv_cache, k, v, slot_mapping, layer)
+    for got in (out, ref):
         assert got.shape == shape and got.dtype == dtype
-        assert_pools_equal(got, truth, skip_null_block=True, stacked=stacked)
-        assert_pools_equal(want, truth, skip_null_block=True, stacked=stacked)
+        assert_pools_equal(got, expected, skip_null_block=True, stacked=stacked)
     if stacked:  # other layers untouched, null block included
-        for got, orig in zip(out, (k_cache, v_cache)):
-            assert_pools_equal(np.asarray(got)[:2], orig[:2], skip_null_block=False, stacked=True)
+        assert_pools_equal(np.asarray(out)[:2], kv_cache[:2], skip_null_block=False, stacked=True)
 
 
 def test_write_kv_casts_to_pool_dtype():
     rng = np.random.default_rng(13)
-    k_cache, v_cache = make_pool(rng, (5, 8, 2, 64), jnp.bfloat16)
+    kv_cache = random_array(rng, (5, 2, 8, 2, 64), jnp.bfloat16)
     k = rng.standard_normal((3, 2, 64), dtype=np.float32)
     v = rng.standard_normal((3, 2, 64), dtype=np.float32)
     slots = np.array([8, 33, 1], np.int32)
-    out = write_kv(k_cache, v_cache, k, v, slots, interpret=True)
-    expected = numpy_write_kv(k_cache, v_cache, np.asarray(jnp.asarray(k, jnp.bfloat16)),
+    out = write_kv(kv_cache, k, v, slots, interpret=True)
+    expected = numpy_write_kv(kv_cache, np.asarray(jnp.asarray(k, jnp.bfloat16)),
                               np.asarray(jnp.asarray(v, jnp.bfloat16)), slots)
-    for got, want in zip(out, expected):
-        assert got.dtype == jnp.bfloat16
-        assert_pools_equal(got, want, skip_null_block=True, stacked=False)
+    assert out.dtype == jnp.bfloat16
+    assert_pools_equal(out, expected, skip_null_block=True, stacked=False)
 
 
 def test_write_kv_donated_in_place():
     """Under donation the pool buffer is reused for the output (no copy of the pool)."""
     rng = np.random.default_rng(12)
-    k_cache, v_cache = (jnp.asarray(x) for x in make_pool(rng, (2, 6, 8, 2, 64), jnp.float32))
-    k, v = (jnp.asarray(x) for x in make_pool(rng, (4, 2, 64), jnp.float32))
+    kv_cache = jnp.asarray(random_array(rng, (2, 6, 2, 8, 2, 64), jnp.float32))
+    k, v = (jnp.asarray(random_array(rng, (4, 2, 64), jnp.float32)) for _ in range(2))
     slots = jnp.asarray([8, 9, 47, 0], jnp.int32)
-    expected = numpy_write_kv(np.asarray(k_cache), np.asarray(v_cache), np.asarray(k),
-                              np.asarray(v), np.asarray(slots), 1)
-    step = jax.jit(functools.partial(write_kv, interpret=True), donate_argnums=(0, 1))
-    k_out, v_out = step(k_cache, v_cache, k, v, slots, layer=jnp.int32(1))
-    assert k_cache.is_deleted() and v_cache.is_deleted()
-    assert_pools_equal(k_out, expected[0], skip_null_block=True, stacked=True)
-    assert_pools_equal(v_out, expected[1], skip_null_block=True, stacked=True)
+    expected = numpy_write_kv(np.asarray(kv_cache), np.asarray(k), np.asarray(v),
+                              np.asarray(slots), 1)
+    step = jax.jit(functools.partial(write_kv, interpret=True), donate_argnums=(0,))
+    kv_out = step(kv_cache, k, v, slots, layer=jnp.int32(1))
+    assert kv_cache.is_deleted()
+    assert_pools_equal(kv_out, expected, skip_null_block=True, stacked=True)
 
 
 def test_write_kv_rejects_bad_shapes():
-    pool = jnp.zeros((4, 8, 2, 64), jnp.float32)
+    pool = jnp.zeros((4, 2, 8, 2, 64), jnp.float32)
     k = jnp.zeros((3, 2, 64), jnp.float32)
-    with pytest.raises(ValueError, match=r"k f32\[3,2,32\].*k_cache f32\[4,8,2,64\]"):
-        write_kv(pool, pool, jnp.zeros((3, 2, 32)), jnp.zeros((3, 2, 32)),
+    with pytest.raises(ValueError, match=r"k f32\[3,2,32\].*kv_cache f32\[4,2,8,2,64\]"):
+        write_kv(pool, jnp.zeros((3, 2, 32)), jnp.zeros((3, 2, 32)),
                  jnp.zeros((3,), jnp.int32), interpret=True)
     with pytest.raises(ValueError, match=r"slot_mapping i32\[4\] and k f32\[3,2,64\]"):
-        write_kv(pool, pool, k, k, jnp.zeros((4,), jnp.int32), interpret=True)
+        write_kv(pool, k, k, jnp.zeros((4,), jnp.int32), interpret=True)
     with pytest.raises(ValueError, match=r"k f32\[3,2,64\] and v bf16\[3,2,64\]"):
-        write_kv(pool, pool, k, k.astype(jnp.bfloat16), jnp.zeros((3,), jnp.int32), interpret=True)
+        write_kv(pool, k, k.astype(jnp.bfloat16), jnp.zeros((3,), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match=r"stacked \[num_layers, num_blocks, 2,.*f32\[4,2,8,2,64\]"):
+        write_kv(pool, k, k, jnp.zeros((3,), jnp.int32), layer=0, interpret=True)
+    with pytest.raises(ValueError, match=r"K/V axis and must have size 2.*f32\[4,8,2,2,64\]"):
+        write_kv(jnp.zeros((4, 8, 2, 2, 64)), k, k, jnp.zeros((3,), jnp.int32), interpret=True)
 
 
 # ---------------------------------------------------------------------------------------------
 # block copier
 
 
-def numpy_copy_blocks(k_cache, v_cache, pairs):
-    k_out, v_out = k_cache.copy(), v_cache.copy()
+def numpy_copy_blocks(kv_cache, pairs):
+    """Block ``src`` (axis -5: K and V, every layer) onto block ``dst``."""
+    out = kv_cache.copy()
     for src, dst in pairs:
-        k_out[..., dst, :, :, :] = k_cache[..., src, :, :, :]
-        v_out[..., dst, :, :, :] = v_cache[..., src, :, :, :]
-    return k_out, v_out
+        out[..., dst, :, :, :, :] = kv_cache[..., src, :, :, :, :]
+    return out
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("stacked", [False, True], ids=["one-layer", "stacked"])
 def test_copy_blocks(stacked, dtype):
     rng = np.random.default_rng(21)
-    shape = (3, 12, 16, 3, 64) if stacked else (12, 16, 3, 64)
-    k_cache, v_cache = make_pool(rng, shape, dtype)
-    k_cache[..., 5, 3, 1, 7] = np.nan  # NaN payloads are copied bit for bit
+    shape = (3, 12, 2, 16, 3, 64) if stacked else (12, 2, 16, 3, 64)
+    kv_cache = random_array(rng, shape, dtype)
+    # NaN payloads are copied bit for bit, in the K and the V half.
+    kv_cache[..., 5, 0, 3, 1, 7] = np.nan
+    kv_cache[..., 2, 1, 15, 2, 63] = np.nan
     pairs = np.array([[5, 9], [2, 10], [7, 3], [0, 0], [0, 0]], np.int32)
-    out = copy_blocks(k_cache, v_cache, pairs, interpret=True)
-    ref = copy_blocks_reference(k_cache, v_cache, pairs)
-    expected = numpy_copy_blocks(k_cache, v_cache, pairs)
-    for got, want, truth in zip(out, ref, expected):
+    out = copy_blocks(kv_cache, pairs, interpret=True)
+    ref = copy_blocks_reference(kv_cache, pairs)
+    expected = numpy_copy_blocks(kv_cache, pairs)
+    for got in (out, ref):
         assert got.shape == shape and got.dtype == dtype
-        assert_pools_equal(got, truth, skip_null_block=False, stacked=stacked)
-        assert_pools_equal(want, truth, skip_null_block=False, stacked=stacked)
+        assert_pools_equal(got, expected, skip_null_block=False, stacked=stacked)
 
 
 def test_copy_blocks_rejects_bad_shapes():
-    pool = jnp.zeros((2, 4, 8, 2, 64), jnp.float32)
-    with pytest.raises(ValueError, match=r"pairs i32\[3\] for k_cache f32\[2,4,8,2,64\]"):
-        copy_blocks(pool, pool, jnp.zeros((3,), jnp.int32), interpret=True)
-    with pytest.raises(ValueError, match=r"k_cache f32\[2,4,8,2,64\] and v_cache f32\[2,4,8,2,32\]"):
-        copy_blocks(pool, jnp.zeros((2, 4, 8, 2, 32)), jnp.zeros((1, 2), jnp.int32), interpret=True)
+    pool = jnp.zeros((2, 4, 2, 8, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match=r"pairs i32\[3\] for kv_cache f32\[2,4,2,8,2,64\]"):
+        copy_blocks(pool, jnp.zeros((3,), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match=r"K/V axis and must have size 2.*f32\[2,4,8,2,64\]"):
+        copy_blocks(jnp.zeros((2, 4, 8, 2, 64)), jnp.zeros((1, 2), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match=r"stacked \[num_layers, .*kv_cache f32\[4,8,2,64\]"):
+        copy_blocks(jnp.zeros((4, 8, 2, 64)), jnp.zeros((1, 2), jnp.int32), interpret=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,29 +464,26 @@ def test_copy_on_write_then_attention():
     tokens are written with write_kv, and attention reads both through their block tables."""
     rng = np.random.default_rng(31)
     num_layers, num_blocks, block_size, heads, head_dim, q_per_kv = 2, 8, 8, 2, 64, 3
-    shape = (num_layers, num_blocks, block_size, heads, head_dim)
-    k_pool = np.full(shape, np.nan, np.float32)
-    v_pool = np.full(shape, np.nan, np.float32)
-    # Shared block 3 holds 6 tokens of the common prefix (both layers).
-    k_pool[:, 3, :6] = rng.standard_normal((num_layers, 6, heads, head_dim))
-    v_pool[:, 3, :6] = rng.standard_normal((num_layers, 6, heads, head_dim))
+    shape = (num_layers, num_blocks, 2, block_size, heads, head_dim)
+    pool = np.full(shape, np.nan, np.float32)
+    # Shared block 3 holds 6 tokens of the common prefix (both layers, K and V).
+    pool[:, 3, :, :6] = rng.standard_normal((num_layers, 2, 6, heads, head_dim))
     pairs = np.array([[3, 5], [0, 0]], np.int32)  # CoW: sequence 1 gets block 5
-    k_pool, v_pool = copy_blocks(k_pool, v_pool, pairs, interpret=True)
-    np.testing.assert_array_equal(np.asarray(k_pool)[:, 5], np.asarray(k_pool)[:, 3])
+    pool = copy_blocks(pool, pairs, interpret=True)
+    np.testing.assert_array_equal(np.asarray(pool)[:, 5], np.asarray(pool)[:, 3])
 
     # Each sequence appends one token at offset 6 of its own block (layer 1), plus a padded token.
     new_k = rng.standard_normal((3, heads, head_dim)).astype(np.float32)
     new_v = rng.standard_normal((3, heads, head_dim)).astype(np.float32)
     slots = np.array([3 * block_size + 6, 5 * block_size + 6, 0], np.int32)
-    k_pool, v_pool = write_kv(k_pool, v_pool, new_k, new_v, slots, layer=jnp.int32(1),
-                              interpret=True)
+    pool = write_kv(pool, new_k, new_v, slots, layer=jnp.int32(1), interpret=True)
     block_tables = np.array([[3, 0], [5, 0]], np.int32)
     context_lens = np.array([7, 7], np.int32)
     q = rng.standard_normal((2, heads * q_per_kv, head_dim)).astype(np.float32)
-    out = paged_attention(q, k_pool, v_pool, block_tables, context_lens, scale=0.125,
+    out = paged_attention(q, pool, block_tables, context_lens, scale=0.125,
                           layer=jnp.int32(1), interpret=True)
-    k_np, v_np = np.asarray(k_pool), np.asarray(v_pool)
-    dense = numpy_dense_attention(q, k_np, v_np, block_tables, context_lens, scale=0.125, layer=1)
+    dense = numpy_dense_attention(q, np.asarray(pool), block_tables, context_lens, scale=0.125,
+                                  layer=1)
     assert_close(out, dense, jnp.float32, "attention after CoW + write")
     # The sequences differ only in their new token.
     assert not np.allclose(np.asarray(out)[0], np.asarray(out)[1])
@@ -487,15 +507,15 @@ def _lower_or_skip(fn, *args, **kwargs):
 )
 def test_kernels_lower_to_triton(num_heads, num_kv_heads, head_dim, block_size, dtype):
     spec = jax.ShapeDtypeStruct
-    pool = spec((4, 64, block_size, num_kv_heads, head_dim), dtype)
+    pool = spec((4, 64, 2, block_size, num_kv_heads, head_dim), dtype)
     attention = functools.partial(paged_attention, scale=head_dim**-0.5)
-    _lower_or_skip(attention, spec((8, num_heads, head_dim), dtype), pool, pool,
+    _lower_or_skip(attention, spec((8, num_heads, head_dim), dtype), pool,
                    spec((8, 16), jnp.int32), spec((8,), jnp.int32), layer=spec((), jnp.int32))
-    text = _lower_or_skip(write_kv, pool, pool, spec((5, num_kv_heads, head_dim), dtype),
+    text = _lower_or_skip(write_kv, pool, spec((5, num_kv_heads, head_dim), dtype),
                           spec((5, num_kv_heads, head_dim), dtype), spec((5,), jnp.int32),
                           layer=spec((), jnp.int32))
     assert "output_operand_aliases" in text
-    text = _lower_or_skip(copy_blocks, pool, pool, spec((4, 2), jnp.int32))
+    text = _lower_or_skip(copy_blocks, pool, spec((4, 2), jnp.int32))
     assert "output_operand_aliases" in text
 
 
@@ -510,22 +530,21 @@ def test_references_against_numpy():
         dtype=jnp.float32, num_layers=2, layer=1,
     )
     ref = paged_attention_reference(
-        case["q"], case["k_cache"], case["v_cache"], case["block_tables"], case["context_lens"],
+        case["q"], case["kv_cache"], case["block_tables"], case["context_lens"],
         scale=0.3, layer=1,
     )
     dense = numpy_dense_attention(
-        case["q"], case["k_cache"], case["v_cache"], case["block_tables"], case["context_lens"],
+        case["q"], case["kv_cache"], case["block_tables"], case["context_lens"],
         scale=0.3, layer=1,
     )
     assert_close(ref, dense, jnp.float32, "paged_attention_reference")
 
-    k_cache, v_cache = make_pool(rng, (2, 5, 4, 2, 8), jnp.float32)
-    k, v = make_pool(rng, (3, 2, 8), jnp.float32)
+    kv_cache = random_array(rng, (2, 5, 2, 4, 2, 8), jnp.float32)
+    k, v = (random_array(rng, (3, 2, 8), jnp.float32) for _ in range(2))
     slots = np.array([4, 19, 7], np.int32)
-    for got, want in zip(write_kv_reference(k_cache, v_cache, k, v, slots, layer=0),
-                         numpy_write_kv(k_cache, v_cache, k, v, slots, 0)):
-        assert_pools_equal(got, want, skip_null_block=False, stacked=True)
+    assert_pools_equal(write_kv_reference(kv_cache, k, v, slots, layer=0),
+                       numpy_write_kv(kv_cache, k, v, slots, 0),
+                       skip_null_block=False, stacked=True)
     pairs = np.array([[1, 4], [2, 3]], np.int32)
-    for got, want in zip(copy_blocks_reference(k_cache, v_cache, pairs),
-                         numpy_copy_blocks(k_cache, v_cache, pairs)):
-        assert_pools_equal(got, want, skip_null_block=False, stacked=True)
+    assert_pools_equal(copy_blocks_reference(kv_cache, pairs), numpy_copy_blocks(kv_cache, pairs),
+                       skip_null_block=False, stacked=True)

@@ -27,10 +27,10 @@ spec = jax.ShapeDtypeStruct
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)])
 def test_paged_attention_compiles_for_sm90_without_spills(heads, kv_heads, head_dim, dtype):
-    pool = spec((30, 4096, 16, kv_heads, head_dim), dtype)
+    pool = spec((30, 4096, 2, 16, kv_heads, head_dim), dtype)  # K and V side by side
     fn = functools.partial(paged_attention, scale=head_dim**-0.5)
     [module] = _triton_check.triton_modules(
-        fn, spec((32, heads, head_dim), dtype), pool, pool, spec((32, 256), jnp.int32),
+        fn, spec((32, heads, head_dim), dtype), pool, spec((32, 256), jnp.int32),
         spec((32,), jnp.int32), layer=spec((), jnp.int32),
     )
     stats = _triton_check.compile_for_sm90(module)
@@ -40,12 +40,12 @@ def test_paged_attention_compiles_for_sm90_without_spills(heads, kv_heads, head_
 
 
 def test_write_and_copy_compile_for_sm90():
-    pool = spec((30, 4096, 16, 3, 64), jnp.bfloat16)
+    pool = spec((30, 4096, 2, 16, 3, 64), jnp.bfloat16)
     [write] = _triton_check.triton_modules(
-        write_kv, pool, pool, spec((64, 3, 64), jnp.bfloat16), spec((64, 3, 64), jnp.bfloat16),
+        write_kv, pool, spec((64, 3, 64), jnp.bfloat16), spec((64, 3, 64), jnp.bfloat16),
         spec((64,), jnp.int32), layer=spec((), jnp.int32),
     )
-    [copy] = _triton_check.triton_modules(copy_blocks, pool, pool, spec((16, 2), jnp.int32))
+    [copy] = _triton_check.triton_modules(copy_blocks, pool, spec((16, 2), jnp.int32))
     for module in (write, copy):
         stats = _triton_check.compile_for_sm90(module)
         assert stats.get("spill_bytes", 0) == 0, stats

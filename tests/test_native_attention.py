@@ -53,6 +53,7 @@ def make_problem(head_dim, dtype, rng):
     k, v = (jnp.asarray(x).astype(dtype) for x in (k, v))
     if storage_dtype(dtype) != k.dtype:  # bfloat16 pools are stored as their bits
         k, v = (jax.lax.bitcast_convert_type(x, storage_dtype(dtype)) for x in (k, v))
+    pool = jnp.stack([k, v], axis=2)  # the engine's layout: a block's K and V side by side
     width = max(len(t) for t in tables)
     table_arr = np.zeros((len(ROWS), width), np.int32)
     for b, t in enumerate(tables):
@@ -61,12 +62,12 @@ def make_problem(head_dim, dtype, rng):
     q_start = np.concatenate([[0], np.cumsum(q_len)[:-1]]).astype(np.int32)
     num_tokens = int(q_len.sum()) + 3  # + padding tokens no row claims
     q = rng.standard_normal((num_tokens, KV_HEADS * GROUP, head_dim)).astype(np.float32)
-    return q, k, v, table_arr, np.array(contexts, np.int32), q_start, q_len
+    return q, pool, table_arr, np.array(contexts, np.int32), q_start, q_len
 
 
-def reference(q, k, v, layer, tables, contexts, q_start, q_len, scale):
+def reference(q, pool, layer, tables, contexts, q_start, q_len, scale):
     """float64 softmax attention over each row's readable keys, causal within the row; unclaimed tokens 0."""
-    k64, v64 = (np.asarray(pool_as_float(x), np.float64)[layer] for x in (k, v))
+    k64, v64 = (np.asarray(pool_as_float(pool), np.float64)[layer, :, half] for half in (0, 1))
     out = np.zeros(q.shape)
     for b in range(len(contexts)):
         context = contexts[b]
@@ -96,12 +97,12 @@ def pool_as_float(x):
                                             (jnp.float32, 128), (jnp.float32, 24), (jnp.bfloat16, 24)])
 def test_kernel_matches_float64_reference(variant, dtype, head_dim):
     rng = np.random.default_rng(head_dim)
-    q, k, v, tables, contexts, q_start, q_len = make_problem(head_dim, dtype, rng)
+    q, pool, tables, contexts, q_start, q_len = make_problem(head_dim, dtype, rng)
     scale = head_dim ** -0.5
     for layer in range(LAYERS):
-        got = np.asarray(native.native_attend(q, k, v, layer, tables, contexts, q_start, q_len, scale,
+        got = np.asarray(native.native_attend(q, pool, layer, tables, contexts, q_start, q_len, scale,
                                               variant=variant))
-        want = reference(q, k, v, layer, tables, contexts, q_start, q_len, scale)
+        want = reference(q, pool, layer, tables, contexts, q_start, q_len, scale)
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
@@ -110,34 +111,34 @@ def test_kernel_matches_float64_reference(variant, dtype, head_dim):
 def test_kernel_under_jit_and_scan_reads_the_traced_layer():
     """The kernel inside a jitted `lax.scan` over layers, as in the model, at the traced layer index."""
     rng = np.random.default_rng(1)
-    q, k, v, tables, contexts, q_start, q_len = make_problem(64, jnp.float32, rng)
+    q, pool, tables, contexts, q_start, q_len = make_problem(64, jnp.float32, rng)
 
     @jax.jit
-    def every_layer(q, k, v):
+    def every_layer(q, pool):
         def body(_, layer):
-            return None, native.native_attend(q, k, v, layer, tables, contexts, q_start, q_len, 0.125)
+            return None, native.native_attend(q, pool, layer, tables, contexts, q_start, q_len, 0.125)
         return jax.lax.scan(body, None, jnp.arange(LAYERS, dtype=jnp.int32))[1]
 
-    got = np.asarray(every_layer(q, k, v))
+    got = np.asarray(every_layer(q, pool))
     for layer in range(LAYERS):
-        np.testing.assert_allclose(got[layer], reference(q, k, v, layer, tables, contexts, q_start, q_len, 0.125),
+        np.testing.assert_allclose(got[layer], reference(q, pool, layer, tables, contexts, q_start, q_len, 0.125),
                                    rtol=2e-5, atol=2e-5)
 
 
 @needs_native
 def test_bad_operands_fail_the_call_instead_of_reading_out_of_bounds():
     rng = np.random.default_rng(2)
-    q, k, v, tables, contexts, q_start, q_len = make_problem(64, jnp.float32, rng)
+    q, pool, tables, contexts, q_start, q_len = make_problem(64, jnp.float32, rng)
     bad_tables = tables.copy()
-    bad_tables[4, 3] = k.shape[1] + 7
+    bad_tables[4, 3] = pool.shape[1] + 7
     with pytest.raises(Exception, match="block outside the pool"):
-        jax.block_until_ready(native.native_attend(q, k, v, 0, bad_tables, contexts, q_start, q_len, 0.125))
+        jax.block_until_ready(native.native_attend(q, pool, 0, bad_tables, contexts, q_start, q_len, 0.125))
     with pytest.raises(Exception, match="layer out of range"):
-        jax.block_until_ready(native.native_attend(q, k, v, LAYERS, tables, contexts, q_start, q_len, 0.125))
+        jax.block_until_ready(native.native_attend(q, pool, LAYERS, tables, contexts, q_start, q_len, 0.125))
     too_long = contexts.copy()
     too_long[0] = tables.shape[1] * BLOCK + 1
     with pytest.raises(Exception, match="longer than its block table"):
-        jax.block_until_ready(native.native_attend(q, k, v, 0, tables, too_long, q_start, q_len, 0.125))
+        jax.block_until_ready(native.native_attend(q, pool, 0, tables, too_long, q_start, q_len, 0.125))
 
 
 def test_row_queries_recovers_each_rows_tokens_from_the_packed_batch():

@@ -32,17 +32,17 @@ def test_compiled_step_updates_the_pool_in_place(decode, backend):
     runner = ModelRunner(CONFIG, init_params(CONFIG, jax.random.key(0)), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                          backend=XLABackend() if backend == "xla" else native.NativeBackend())
     rows = [Row([5] if decode else [5, 6, 7], 3 if decode else 0, [16 + 3] if decode else [16, 17, 18], [2, 9])]
-    before = runner.cache.k
+    before = runner.cache.kv
     runner.execute(rows, decode=decode)
     assert before.is_deleted()  # the donated buffer was consumed, not kept alongside a copy
     (executable,) = runner.executables.values()
     hlo = executable.as_text()
-    pool = f"f32[{CONFIG.num_layers},{NUM_BLOCKS},{BLOCK_SIZE},{CONFIG.num_kv_heads},{CONFIG.head_dim}]"
+    pool = f"f32[{CONFIG.num_layers},{NUM_BLOCKS},2,{BLOCK_SIZE},{CONFIG.num_kv_heads},{CONFIG.head_dim}]"
     assert "input_output_alias" in hlo
     copies = [line for line in hlo.splitlines() if re.search(rf"= {re.escape(pool)}\S* copy\(", line)]
     assert copies == [], copies
     layer_slices = [line for line in hlo.splitlines()
-                    if re.search(rf"= f32\[{NUM_BLOCKS},{BLOCK_SIZE},{CONFIG.num_kv_heads},{CONFIG.head_dim}\]", line)]
+                    if re.search(rf"= f32\[{NUM_BLOCKS},2,{BLOCK_SIZE},{CONFIG.num_kv_heads},{CONFIG.head_dim}\]", line)]
     assert layer_slices == [], layer_slices  # no whole layer of the pool is ever materialised
 
 
@@ -67,22 +67,22 @@ def test_pool_lies_on_huge_pages_and_keeps_its_buffer(backend):
     """The runner asks for huge pages under its pool (`back_with_huge_pages`): its zero-filled pages are
     handed back, a step's write to one block maps the whole 2 MiB around it (a huge page, where 4 KiB
     pages would map only the pages written), the step keeps the buffer, and every other value is zero."""
-    num_blocks = 4001  # 12 MiB per pool: several whole huge pages
+    num_blocks = 4001  # 24 MiB: several whole huge pages
     runner = ModelRunner(CONFIG, init_params(CONFIG, jax.random.key(0)), num_blocks=num_blocks, block_size=BLOCK_SIZE,
                          backend=XLABackend() if backend == "xla" else native.NativeBackend())
-    address = runner.cache.k.unsafe_buffer_pointer()
-    block = 3000  # layer 0's copy lies ~3 MiB into the pool: its 2 MiB region is one the runner advised
-    written = address + block * runner.cache.k[0, 0].nbytes
+    address = runner.cache.kv.unsafe_buffer_pointer()
+    block = 3000  # layer 0's copy lies ~6 MiB into the pool: its 2 MiB region is one the runner advised
+    written = address + block * runner.cache.kv[0, 0].nbytes
     region = written // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     far_pages = [page for page in (region, region + HUGE_PAGE_BYTES - 4096)  # the region's first and last
                  if page // 4096 != written // 4096]  # 4 KiB pages, not the one written
     assert not any(map(_present, far_pages))  # the zero-filled pages were handed back
     runner.execute([Row([5, 6, 7], 0, [block * BLOCK_SIZE + i for i in range(3)], [block])], decode=False)
-    k = runner.cache.k
-    assert k.unsafe_buffer_pointer() == address  # the donated buffer, updated in place
+    kv = runner.cache.kv
+    assert kv.unsafe_buffer_pointer() == address  # the donated buffer, updated in place
     assert all(map(_present, far_pages))  # one write in the region faulted in all of it: a huge page
-    k = np.array(k)
-    assert np.abs(k[:, block, :3]).min() > 0  # the prompt's keys (RoPE'd projections: no exact zeros)
-    k[:, block, :3] = 0
-    k[:, 0] = 0  # the null block: the padded tokens' slots
-    assert not k.any()  # everything else reads zero, as before the pages were handed back
+    kv = np.array(kv)
+    assert np.abs(kv[:, block, 0, :3]).min() > 0  # the prompt's keys (RoPE'd projections: no exact zeros)
+    kv[:, block, :, :3] = 0  # and their values
+    kv[:, 0] = 0  # the null block: the padded tokens' slots
+    assert not kv.any()  # everything else reads zero, as before the pages were handed back

@@ -254,8 +254,7 @@ def inject(engine, when, lose_pool: bool = False):
         if not fired and when(decode):
             fired.append(decode)
             if lose_pool:
-                runner.cache.k.delete()
-                runner.cache.v.delete()
+                runner.cache.kv.delete()
             raise InjectedFault("injected into the model step")
         return real(inputs, decode=decode)
 

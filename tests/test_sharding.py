@@ -75,10 +75,11 @@ def test_two_processes_give_one_processes_tokens(seen, two_processes):
     reference = seen["dp2xtp3_swap"]["tokens"]
     expected = [[t[:n] for t in r] for r, n in zip(reference, two_processes[0]["max_tokens"])]
     assert len(expected) >= 8 and [len(r) for r in expected][6:8] == [2, 2]  # with beam search and n=2
-    layers, blocks, block_size, _, head_dim = seen["pool_shape"]
+    layers, blocks, halves, block_size, _, head_dim = seen["pool_shape"]
     for i, run in enumerate(two_processes):
         assert run["process_id"] == i and run["num_devices"] == 6 and run["local_devices"] == 3
-        assert run["local_pool_shards"] == [[layers, blocks // 2, block_size, 1, head_dim]] * 3  # half the blocks, 1 KV head
+        # half the blocks, 1 KV head
+        assert run["local_pool_shards"] == [[layers, blocks // 2, halves, block_size, 1, head_dim]] * 3
         assert run["tokens"] == expected, f"process {i}"
         assert run["num_preemptions"] > 0 and "read_blocks" in run["executables"], "meant to swap blocks out"
         assert run["prefix_cache_hit_rate"] > 0
@@ -118,8 +119,8 @@ def test_data_parallel_2_gives_one_devices_tokens(seen, mode, run, devices):
 
 
 def test_data_parallel_devices_hold_half_the_blocks_and_attention_needs_no_collective(seen):
-    layers, blocks, block_size, kv_heads, head_dim = seen["pool_shape"]
-    assert seen["dp_pool_shards"] == [[layers, blocks // 2, block_size, kv_heads, head_dim]] * 2
+    layers, blocks, halves, block_size, kv_heads, head_dim = seen["pool_shape"]
+    assert seen["dp_pool_shards"] == [[layers, blocks // 2, halves, block_size, kv_heads, head_dim]] * 2
     for name, c in seen["dp_collectives"].items():
         assert c["in_loop"] == {} or set(c["in_loop"].values()) == {0}, (name, c)  # nothing in the layers
         assert sum(c["counts"].values()) <= 1, (name, c)  # the logits' gather, at the end
@@ -127,8 +128,8 @@ def test_data_parallel_devices_hold_half_the_blocks_and_attention_needs_no_colle
 
 
 def test_2x3_devices_hold_half_the_blocks_of_one_kv_head(seen):
-    layers, blocks, block_size, kv_heads, head_dim = seen["pool_shape"]
-    assert seen["both_pool_shards"] == [[layers, blocks // 2, block_size, 1, head_dim]] * 6
+    layers, blocks, halves, block_size, kv_heads, head_dim = seen["pool_shape"]
+    assert seen["both_pool_shards"] == [[layers, blocks // 2, halves, block_size, 1, head_dim]] * 6
     for name, c in seen["both_collectives"].items():
         assert c["in_loop"] == {"all-reduce": 2}, (name, c)  # tensor parallel's two; data parallel adds none
         assert "all-to-all" not in c["counts"] and c["counts"]["all-reduce"] <= 3, (name, c)
@@ -149,9 +150,9 @@ def test_steps_update_each_devices_pool_shard_in_place(seen):
 
 
 def test_each_device_holds_a_third_of_the_kv_heads(seen):
-    layers, blocks, block_size, kv_heads, head_dim = seen["pool_shape"]
-    assert kv_heads == 3 and seen["pool_sharding"] == "P(None, None, None, 'model', None)"
-    assert [shape for _, shape in seen["pool_shards"]] == [[layers, blocks, block_size, 1, head_dim]] * 3
+    layers, blocks, halves, block_size, kv_heads, head_dim = seen["pool_shape"]
+    assert halves == 2 and kv_heads == 3 and seen["pool_sharding"] == "P(None, None, None, None, 'model', None)"
+    assert [shape for _, shape in seen["pool_shards"]] == [[layers, blocks, 2, block_size, 1, head_dim]] * 3
     assert len({device for device, _ in seen["pool_shards"]}) == 3
     assert seen["tp3_recompute"]["kv_head_replication"] == 1
 
@@ -159,7 +160,7 @@ def test_each_device_holds_a_third_of_the_kv_heads(seen):
 def test_fewer_kv_heads_than_devices_are_replicated_not_split(seen):
     r = seen["replication"]  # 6 query heads, 2 KV heads, tensor parallel 6
     assert r["kv_head_replication"] == 3
-    assert r["shard_shapes"] == [[2, 4, 16, 1, 16]] * 6  # 2 x 3 = 6 KV heads stored, one whole head a device
+    assert r["shard_shapes"] == [[2, 4, 2, 16, 1, 16]] * 6  # 2 x 3 = 6 KV heads stored, one whole head a device
     assert r["max_abs_diff"] < 1e-5 * max(1.0, r["max_abs_logit"])
 
 
@@ -235,11 +236,11 @@ def test_rules_give_the_megatron_partition_specs():
     assert specs["w_down"] == P(None, "model", None)  # by rows
     assert specs["attn_norm"] == specs["mlp_norm"] == P(None, None) and specs["final_norm"] == P(None)
     assert specs["embed"] == P(None, None) and tensor_parallel(vocab=True).spec(PARAM_AXES["embed"]) == P("model", None)
-    assert tp.spec(POOL_AXES) == P(None, None, None, "model", None)  # the pool by KV heads
-    assert replicated().spec(POOL_AXES) == P(None, None, None, None, None)
-    assert data_parallel().spec(POOL_AXES) == P(None, "data", None, None, None)  # the pool by blocks
+    assert tp.spec(POOL_AXES) == P(None, None, None, None, "model", None)  # the pool by KV heads
+    assert replicated().spec(POOL_AXES) == P(None, None, None, None, None, None)
+    assert data_parallel().spec(POOL_AXES) == P(None, "data", None, None, None, None)  # the pool by blocks
     both = data_and_tensor_parallel()
-    assert both.spec(POOL_AXES) == P(None, "data", None, "model", None) and both.spec(PARAM_AXES["wq"]) == specs["wq"]
+    assert both.spec(POOL_AXES) == P(None, "data", None, None, "model", None) and both.spec(PARAM_AXES["wq"]) == specs["wq"]
 
 
 def test_engine_config_refuses_more_devices_than_exist():

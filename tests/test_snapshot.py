@@ -160,7 +160,7 @@ def test_an_interrupted_save_leaves_the_previous_one_readable(paused, default_mo
     def broken_pools():  # an array that cannot be read: the write fails midway through the new step
         lost = jnp.zeros(5)
         lost.delete()
-        return {**real(), "v": lost}
+        return {**real(), "kv": lost}
 
     real = engine.runner.pool_state
     monkeypatch.setattr(engine.runner, "pool_state", broken_pools)

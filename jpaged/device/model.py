@@ -1,8 +1,8 @@
 """The Llama decoder as pure functions over `LlamaParams`, reading and writing a paged `KVCache`.
 
 `forward(params, cache, inputs, config=, backend=) -> (cache, hidden)` runs every layer in one
-`lax.scan` over the stacked layer parameters. The K/V pools ride in the scan *carry* (never as
-scanned inputs/outputs, which would copy the whole pool every step) and are updated in place at
+`lax.scan` over the stacked layer parameters. The KV pool rides in the scan *carry* (never as
+scanned inputs/outputs, which would copy the whole pool every step) and is updated in place at
 the traced layer index: with the cache donated, a step writes only its new tokens' K/V.
 
 Math follows HF transformers' `LlamaForCausalLM`: RMSNorm (computed in float32), rotate-half RoPE,
@@ -57,25 +57,25 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
     x = params.embed[inputs.token_ids]
 
     def layer(carry, layer_inputs):
-        x, k_pool, v_pool = carry
+        x, pool = carry
         p, layer_id = layer_inputs
         h = rms_norm(x, p.attn_norm, config.rms_norm_eps)
         q = rope(jnp.einsum("th,hnd->tnd", h, p.wq), inputs.positions, config.rope_theta)
         k = rope(jnp.einsum("th,hnd->tnd", h, p.wk), inputs.positions, config.rope_theta)
         v = jnp.einsum("th,hnd->tnd", h, p.wv)
-        k_pool, v_pool = backend.write_kv(k_pool, v_pool, layer_id, k, v, inputs.slot_mapping)
-        attn = backend.attend(q, k_pool, v_pool, layer_id, inputs, scale)
+        pool = backend.write_kv(pool, layer_id, k, v, inputs.slot_mapping)
+        attn = backend.attend(q, pool, layer_id, inputs, scale)
         x = x + jnp.einsum("tnd,ndh->th", attn, p.wo)
         h = rms_norm(x, p.mlp_norm, config.rms_norm_eps)
         gate = jnp.einsum("th,hi->ti", h, p.w_gate)
         up = jnp.einsum("th,hi->ti", h, p.w_up)
         x = x + jnp.einsum("ti,ih->th", jax.nn.silu(gate) * up, p.w_down)
-        return (x, k_pool, v_pool), None
+        return (x, pool), None
 
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    (x, k_pool, v_pool), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (params.layers, layer_ids))
+    (x, pool), _ = jax.lax.scan(layer, (x, cache.kv), (params.layers, layer_ids))
     x = rms_norm(x, params.final_norm, config.rms_norm_eps)
-    return KVCache(k=k_pool, v=v_pool), x
+    return KVCache(kv=pool), x
 
 
 def compute_logits(params: LlamaParams, hidden) -> jax.Array:

@@ -41,7 +41,7 @@ import numpy as np
 
 from jpaged.device.batch import DataParallelInputs, ModelInputs, bucket, pack_rows, row_bucket, stack_inputs
 from jpaged.device.config import ModelConfig
-from jpaged.device.kv_cache import KVCache, back_with_huge_pages
+from jpaged.device.kv_cache import KVCache, back_with_huge_pages, pool_shape
 from jpaged.device.model import compute_logits, forward
 from jpaged.device.params import LlamaParams
 from jpaged.device.sampler import SamplingInputs, sample
@@ -101,7 +101,7 @@ def _data_parallel_step(params, cache, inputs, row_index, *, config, backend, me
         cache, logits = _step(params, cache, jax.tree.map(lambda x: x[0], inputs), config=config, backend=backend)
         return cache, logits[None]
 
-    pool = KVCache(k=pool_spec, v=pool_spec)
+    pool = KVCache(kv=pool_spec)
     params_spec = jax.tree.map(lambda _: P(), params)
     cache, logits = jax.shard_map(local, mesh=mesh, in_specs=(params_spec, pool, P(axis)), out_specs=(pool, P(axis)),
                                   axis_names={axis}, check_vma=False)(params, cache, inputs)
@@ -110,10 +110,10 @@ def _data_parallel_step(params, cache, inputs, row_index, *, config, backend, me
 
 def _data_parallel_copy(cache, pairs, *, backend, mesh, pool_spec, axis):
     """Copy-on-write per data rank: `pairs` i32[ranks, P, 2] in each rank's local block ids."""
-    k, v = jax.shard_map(lambda k, v, pairs: backend.copy_blocks(k, v, pairs[0]), mesh=mesh,
-                         in_specs=(pool_spec, pool_spec, P(axis)), out_specs=(pool_spec, pool_spec),
-                         axis_names={axis}, check_vma=False)(cache.k, cache.v, pairs)
-    return KVCache(k=k, v=v)
+    kv = jax.shard_map(lambda kv, pairs: backend.copy_blocks(kv, pairs[0]), mesh=mesh,
+                       in_specs=(pool_spec, P(axis)), out_specs=pool_spec,
+                       axis_names={axis}, check_vma=False)(cache.kv, pairs)
+    return KVCache(kv=kv)
 
 
 class _LocalRow:
@@ -129,16 +129,15 @@ _IDLE_ROW = _LocalRow([0], 0, [0], [0])  # a rank with no row this step computes
 
 
 def _copy_blocks(cache, pairs, *, backend):
-    k, v = backend.copy_blocks(cache.k, cache.v, pairs)
-    return KVCache(k=k, v=v)
+    return KVCache(kv=backend.copy_blocks(cache.kv, pairs))
 
 
 def _read_blocks(cache, block_ids):
-    return cache.k[:, block_ids], cache.v[:, block_ids]
+    return cache.kv[:, block_ids]
 
 
-def _write_blocks(cache, block_ids, k_blocks, v_blocks):
-    return KVCache(k=cache.k.at[:, block_ids].set(k_blocks), v=cache.v.at[:, block_ids].set(v_blocks))
+def _write_blocks(cache, block_ids, blocks):
+    return KVCache(kv=cache.kv.at[:, block_ids].set(blocks))
 
 
 class ModelRunner:
@@ -187,11 +186,8 @@ class ModelRunner:
         self.decode_k_tile = block_size * max(1, decode_key_tile // block_size)
         self.kv_dtype = jnp.dtype(dtype)  # the pool's dtype (stored as `backend.storage_dtype` says)
         storage = backend.storage_dtype(dtype)
-        pool_shape = (config.num_layers, num_blocks, block_size, self.pool_config.num_kv_heads, config.head_dim)
-        self.cache = self._new_pool(pool_shape, storage)
-        cpu_shape = (config.num_layers, num_cpu_blocks, block_size, self.pool_config.num_kv_heads, config.head_dim)
-        self.cpu_k = np.zeros(cpu_shape, np.dtype(storage))
-        self.cpu_v = np.zeros(cpu_shape, np.dtype(storage))
+        self.cache = self._new_pool(pool_shape(self.pool_config, num_blocks, block_size), storage)
+        self.cpu_kv = np.zeros(pool_shape(self.pool_config, num_cpu_blocks, block_size), np.dtype(storage))
         step = functools.partial(_step, config=config, backend=backend)
         copy = functools.partial(_copy_blocks, backend=backend)
         self._moved = None  # the sharding of blocks moved by a swap (sharded runners)
@@ -206,7 +202,7 @@ class ModelRunner:
         else:  # every argument and result placed as the strategy says; the pool's output sharding is its input's
             ps, rep = sharding.param_shardings(mesh, params), sharding.replicated(mesh)
             block = sharding.pool_sharding(mesh)
-            pool = KVCache(k=block, v=block)
+            pool = KVCache(kv=block)
             if self.num_partitions > 1:
                 axis = sharding.rule_map["blocks"]
                 # the manual (data) axis alone in the specs: the pool by blocks
@@ -225,8 +221,8 @@ class ModelRunner:
                 "prefill_step": jax.jit(step, donate_argnums=(1,), in_shardings=step_in, out_shardings=(pool, rep)),
                 "decode_step": jax.jit(step, donate_argnums=(1,), in_shardings=step_in, out_shardings=(pool, rep)),
                 "copy_blocks": jax.jit(copy, donate_argnums=(0,), in_shardings=copy_in, out_shardings=pool),
-                "read_blocks": jax.jit(_read_blocks, in_shardings=(pool, rep), out_shardings=(moved, moved)),
-                "write_blocks": jax.jit(_write_blocks, donate_argnums=(0,), in_shardings=(pool, rep, moved, moved),
+                "read_blocks": jax.jit(_read_blocks, in_shardings=(pool, rep), out_shardings=moved),
+                "write_blocks": jax.jit(_write_blocks, donate_argnums=(0,), in_shardings=(pool, rep, moved),
                                         out_shardings=pool),
             }
         self._jits["sample"] = sample
@@ -235,25 +231,24 @@ class ModelRunner:
         self.compile_seconds = 0.0  # building executables, their untimed first runs included
         self.device_seconds = 0.0  # time inside compiled executables, synchronised (the rest of a step is host time)
 
-    def _new_pool(self, shape, dtype, k=None, v=None) -> KVCache:
-        """A pool of `shape` (zeros, or the host arrays `k`, `v`), placed as the strategy says."""
-        if k is not None:
+    def _new_pool(self, shape, dtype, kv=None) -> KVCache:
+        """A pool of `shape` (zeros, or the host array `kv`), placed as the strategy says."""
+        if kv is not None:
             if self.sharding is None:
-                return KVCache(k=jnp.asarray(k), v=jnp.asarray(v))
-            block = self.sharding.pool_sharding(self.mesh)
-            return KVCache(k=jax.device_put(k, block), v=jax.device_put(v, block))
+                return KVCache(kv=jnp.asarray(kv))
+            return KVCache(kv=jax.device_put(kv, self.sharding.pool_sharding(self.mesh)))
         if self.sharding is None:
-            cache = KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+            cache = KVCache(kv=jnp.zeros(shape, dtype))
         else:  # built in place, each device its own shard (never the whole pool on one device)
             zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.sharding.pool_sharding(self.mesh))
-            cache = KVCache(k=zeros(), v=zeros())
+            cache = KVCache(kv=zeros())
         back_with_huge_pages(cache)  # on CPUs: attention reads blocks scattered over the pool
         return cache
 
     @property
     def devices(self) -> tuple:
         """The devices the runner's state lives on."""
-        return tuple(self.mesh.devices.flat) if self.mesh is not None else (self.cache.k.devices().pop(),)
+        return tuple(self.mesh.devices.flat) if self.mesh is not None else (self.cache.kv.devices().pop(),)
 
     @property
     def num_blocks(self) -> int:
@@ -261,7 +256,7 @@ class ModelRunner:
 
     @property
     def num_cpu_blocks(self) -> int:
-        return self.cpu_k.shape[1]
+        return self.cpu_kv.shape[1]
 
     @property
     def num_compilations(self) -> int:
@@ -275,17 +270,16 @@ class ModelRunner:
     @property
     def pool_lost(self) -> bool:
         """Whether the KV pool's buffers are gone: an executable that took them donated failed."""
-        return self.cache.k.is_deleted() or self.cache.v.is_deleted()
+        return self.cache.kv.is_deleted()
 
     def reset_pool(self) -> None:
         """A new, zeroed KV pool of the same shape (after `pool_lost`)."""
-        k = self.cache.k
-        self.cache = self._new_pool(k.shape, k.dtype)
+        self.cache = self._new_pool(self.cache.kv.shape, self.cache.kv.dtype)
 
     def pool_state(self) -> dict:
-        """The KV pools' contents (device blocks `k`, `v`; CPU swap blocks `cpu_k`, `cpu_v`), each
-        [layers, blocks, block_size, kv_heads, head_dim] in the storage dtype: what a paused engine saves."""
-        return {"k": self.cache.k, "v": self.cache.v, "cpu_k": self.cpu_k, "cpu_v": self.cpu_v}
+        """The KV pools' contents (device blocks `kv`, CPU swap blocks `cpu_kv`), each [layers, blocks, 2,
+        block_size, kv_heads, head_dim] in the storage dtype: what a paused engine saves."""
+        return {"kv": self.cache.kv, "cpu_kv": self.cpu_kv}
 
     def load_pool_state(self, state: dict) -> None:
         """Replaces the pools' contents with `pool_state()`'s arrays of the same shapes (16-bit values
@@ -300,9 +294,8 @@ class ModelRunner:
                 array = array.view(have.dtype)
             return array
 
-        self.cache = self._new_pool(self.cache.k.shape, self.cache.k.dtype,
-                                    like(state["k"], self.cache.k), like(state["v"], self.cache.v))
-        self.cpu_k, self.cpu_v = like(state["cpu_k"], self.cpu_k), like(state["cpu_v"], self.cpu_v)
+        self.cache = self._new_pool(self.cache.kv.shape, self.cache.kv.dtype, like(state["kv"], self.cache.kv))
+        self.cpu_kv = like(state["cpu_kv"], self.cpu_kv)
 
     def take_calls(self) -> tuple[DeviceCall, ...]:
         """The timed executable runs since the last call, oldest first."""
@@ -436,9 +429,7 @@ class ModelRunner:
         device_ids = np.zeros(bucket(n), np.int32)  # padded with the null block: one executable per bucket
         device_ids[:n] = [d for d, _ in mapping]
         cpu_ids = np.asarray([c for _, c in mapping])
-        k, v = jax.device_get(self._run("read_blocks", self.cache, device_ids))
-        self.cpu_k[:, cpu_ids] = k[:, :n]
-        self.cpu_v[:, cpu_ids] = v[:, :n]
+        self.cpu_kv[:, cpu_ids] = jax.device_get(self._run("read_blocks", self.cache, device_ids))[:, :n]
 
     def swap_in(self, mapping: Seq[tuple[int, int]]) -> None:
         """Copies CPU blocks back to device blocks: mapping of (cpu_block_id, device_block_id)."""
@@ -448,9 +439,8 @@ class ModelRunner:
         cpu_ids = np.zeros(n, np.int32)
         device_ids = np.zeros(n, np.int32)
         cpu_ids[:len(mapping)], device_ids[:len(mapping)] = zip(*mapping)
-        k = self.cpu_k[:, cpu_ids]
-        v = self.cpu_v[:, cpu_ids]
+        blocks = self.cpu_kv[:, cpu_ids]
         if self._moved is not None:  # placed as the pool (jit takes numpy inputs replicated only, over processes)
-            k, v = jax.device_put((k, v), self._moved)
+            blocks = jax.device_put(blocks, self._moved)
         # padded entries write CPU block 0's content into the null block, which nothing reads unmasked
-        self.cache = self._run("write_blocks", self.cache, device_ids, k, v)
+        self.cache = self._run("write_blocks", self.cache, device_ids, blocks)

@@ -8,6 +8,7 @@ how the pool is laid out is a change of rules alone: the model and the scheduler
 Logical axes:
   layers        the stacked layer axis of every layer parameter and of the pool
   blocks        the pool's block axis (block ids)
+  kv_pair       the pool's K/V axis (a block's keys at 0, its values at 1: side by side in memory)
   block_slots   the token slots inside a block
   kv_heads      K/V heads (the pool, wk, wv)
   heads         query heads (wq, wo)
@@ -31,7 +32,7 @@ Named strategies (rule sets):
                        data axis manual, the attention backend's nested one the model axis.
 
 Invariants (checked by `check`):
-  - `head_dim` and `block_slots` are never split: a head and a block are never cut;
+  - `head_dim`, `kv_pair` and `block_slots` are never split: a head and a block are never cut;
   - `heads` and `kv_heads` map to the same mesh axis (a device holds the KV heads its query heads read);
   - the heads divide by that axis' size; KV heads that do not (fewer KV heads than devices) are
     replicated at load by `kv_head_replication` (never split inside a head), and the strategy reports
@@ -52,8 +53,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "model")
-LOGICAL_AXES = ("layers", "blocks", "block_slots", "kv_heads", "head_dim", "embed", "heads", "mlp", "vocab",
-                "tokens")
+LOGICAL_AXES = ("layers", "blocks", "kv_pair", "block_slots", "kv_heads", "head_dim", "embed", "heads", "mlp",
+                "vocab", "tokens")
 
 # logical axes of each array, by the name of its field
 PARAM_AXES = {
@@ -70,7 +71,7 @@ PARAM_AXES = {
     "w_up": ("layers", "embed", "mlp"),
     "w_down": ("layers", "mlp", "embed"),
 }
-POOL_AXES = ("layers", "blocks", "block_slots", "kv_heads", "head_dim")
+POOL_AXES = ("layers", "blocks", "kv_pair", "block_slots", "kv_heads", "head_dim")
 Q_AXES = ("tokens", "heads", "head_dim")  # a step's queries (and attention output) inside a layer
 KV_AXES = ("tokens", "kv_heads", "head_dim")  # a step's new K/V inside a layer
 
@@ -97,7 +98,7 @@ class ShardingStrategy:
                                  f"{', '.join(LOGICAL_AXES)}")
             if mesh_axis is not None and not isinstance(mesh_axis, str):
                 raise ValueError(f"sharding rule {logical!r} -> {mesh_axis!r}: a mesh axis name or None")
-        for logical in ("head_dim", "block_slots"):
+        for logical in ("head_dim", "kv_pair", "block_slots"):
             if rules.get(logical) is not None:
                 raise ValueError(f"sharding rules split {logical!r}: a head and a block are never cut")
         if rules.get("heads") != rules.get("kv_heads"):
@@ -177,7 +178,7 @@ class ShardingStrategy:
         return jax.tree_util.tree_map_with_path(sharding, params)
 
     def pool_sharding(self, mesh: Mesh) -> NamedSharding:
-        """The K and V pools' sharding, f[layers, blocks, block_size, kv_heads, head_dim]."""
+        """The KV pool's sharding, f[layers, blocks, 2 (K, V), block_size, kv_heads, head_dim]."""
         return self.named(mesh, POOL_AXES)
 
     def replicated(self, mesh: Mesh) -> NamedSharding:
@@ -266,17 +267,16 @@ class ShardedBackend:
         return jax.shard_map(f, mesh=context if nested else self.mesh, in_specs=in_specs, out_specs=out_specs,
                              axis_names=axes if nested else frozenset(), check_vma=False)
 
-    def write_kv(self, k_pool, v_pool, layer, k, v, slot_mapping):
-        pool, kv = self.strategy.spec(POOL_AXES), self.strategy.spec(KV_AXES)
-        return self._map(self.inner.write_kv, (pool, pool, P(), kv, kv, P()), (pool, pool))(
-            k_pool, v_pool, layer, k, v, slot_mapping)
+    def write_kv(self, pool, layer, k, v, slot_mapping):
+        spec, kv = self.strategy.spec(POOL_AXES), self.strategy.spec(KV_AXES)
+        return self._map(self.inner.write_kv, (spec, P(), kv, kv, P()), spec)(pool, layer, k, v, slot_mapping)
 
-    def attend(self, q, k_pool, v_pool, layer, inputs, scale):
-        pool, qs = self.strategy.spec(POOL_AXES), self.strategy.spec(Q_AXES)
+    def attend(self, q, pool, layer, inputs, scale):
+        spec, qs = self.strategy.spec(POOL_AXES), self.strategy.spec(Q_AXES)
         inputs_spec = jax.tree.map(lambda _: P(), inputs)
-        f = lambda q, k_pool, v_pool, layer, inputs: self.inner.attend(q, k_pool, v_pool, layer, inputs, scale)  # noqa: E731
-        return self._map(f, (qs, pool, pool, P(), inputs_spec), qs)(q, k_pool, v_pool, layer, inputs)
+        f = lambda q, pool, layer, inputs: self.inner.attend(q, pool, layer, inputs, scale)  # noqa: E731
+        return self._map(f, (qs, spec, P(), inputs_spec), qs)(q, pool, layer, inputs)
 
-    def copy_blocks(self, k_pool, v_pool, pairs):
-        pool = self.strategy.spec(POOL_AXES)
-        return self._map(self.inner.copy_blocks, (pool, pool, P()), (pool, pool))(k_pool, v_pool, pairs)
+    def copy_blocks(self, pool, pairs):
+        spec = self.strategy.spec(POOL_AXES)
+        return self._map(self.inner.copy_blocks, (spec, P()), spec)(pool, pairs)

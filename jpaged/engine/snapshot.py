@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FORMAT, VERSION = "jpaged-engine", 1
+FORMAT, VERSION = "jpaged-engine", 2  # 2: one KV pool, each block's K and V side by side
 MARKER = "jpaged-engine.json"
 KEEP = 2  # saves kept in a directory, newest first
 # what `restore` may change: where the model lives and how attention runs; nothing of the state's shape
@@ -64,7 +64,7 @@ def _manifest(engine) -> dict:
     return {"format": FORMAT, "version": VERSION, "model": model_identity(engine.model),
             "kv": {"num_blocks": spec.num_blocks, "block_size": spec.block_size,
                    "num_cpu_blocks": spec.num_cpu_blocks, "dtype": engine.config.dtype,
-                   "storage_dtype": str(runner.cache.k.dtype)},
+                   "storage_dtype": str(runner.cache.kv.dtype)},
             "engine_config": settings, "num_steps": engine.num_steps}
 
 

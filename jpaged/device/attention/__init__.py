@@ -1,12 +1,13 @@
 """The attention seam: how the model writes new K/V into the paged pool and reads it back.
 
 A backend (`AttentionBackend`) is static configuration (frozen, hashable) with three operations on
-the stacked pool `f[num_layers, num_blocks, block_size, num_kv_heads, head_dim]` and a traced
-`layer` index (a layer is never sliced out of the pool: a slice is a copy):
+the stacked pool `kv f[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]` (a block's K
+at index 0 of axis 2, its V at 1: `jpaged.device.kv_cache`) and a traced `layer` index (a layer is
+never sliced out of the pool: a slice is a copy):
 
-  write_kv(k_pool, v_pool, layer, k, v, slot_mapping)   -> (k_pool, v_pool)
-  attend(q, k_pool, v_pool, layer, inputs, scale)       -> out
-  copy_blocks(k_pool, v_pool, pairs)                     -> (k_pool, v_pool)
+  write_kv(pool, layer, k, v, slot_mapping)   -> pool
+  attend(q, pool, layer, inputs, scale)       -> out
+  copy_blocks(pool, pairs)                     -> pool
 
 A backend also says how it stores a pool of a given dtype (`storage_dtype`). The pool's dtype
 may be narrower than the compute dtype (`q`'s): a 16-bit pool under float32 compute on a CPU.
@@ -45,11 +46,11 @@ class AttentionBackend(Protocol):
     def storage_dtype(self, dtype):
         """The dtype a KV pool of `dtype` is stored in (the same, or a backend's own encoding of it)."""
 
-    def write_kv(self, k_pool, v_pool, layer, k, v, slot_mapping): ...
+    def write_kv(self, pool, layer, k, v, slot_mapping): ...
 
-    def attend(self, q, k_pool, v_pool, layer, inputs, scale): ...
+    def attend(self, q, pool, layer, inputs, scale): ...
 
-    def copy_blocks(self, k_pool, v_pool, pairs): ...
+    def copy_blocks(self, pool, pairs): ...
 
 
 def get_backend(name: str = "auto", *, interpret: bool = False) -> AttentionBackend:

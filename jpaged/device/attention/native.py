@@ -100,12 +100,12 @@ def row_queries(inputs):
     return q_start, jnp.where(real, q_end - q_start, 0)
 
 
-def native_attend(q, k_pool, v_pool, layer, block_tables, context_lens, q_start, q_len, scale, *,
+def native_attend(q, pool, layer, block_tables, context_lens, q_start, q_len, scale, *,
                   variant: str = "auto"):
     """Paged attention by the native kernel (see `csrc/paged_attention.cc` for the operands):
     q f[N, H, D] -> f[N, H, D], computed in float32."""
     call = jax.ffi.ffi_call(target_name(variant), jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32), block_tables,
+    out = call(q.astype(jnp.float32), pool, jnp.asarray(layer, jnp.int32), block_tables,
                context_lens, q_start, q_len, scale=np.float32(scale))
     return out.astype(q.dtype)
 
@@ -123,13 +123,13 @@ class NativeBackend:
     def storage_dtype(self, dtype):
         return storage_dtype(dtype)
 
-    def write_kv(self, k_pool, v_pool, layer, k, v, slot_mapping):
-        return xla_write_kv(k_pool, v_pool, layer, k, v, slot_mapping)
+    def write_kv(self, pool, layer, k, v, slot_mapping):
+        return xla_write_kv(pool, layer, k, v, slot_mapping)
 
-    def attend(self, q, k_pool, v_pool, layer, inputs, scale):
+    def attend(self, q, pool, layer, inputs, scale):
         q_start, q_len = row_queries(inputs)
-        return native_attend(q, k_pool, v_pool, layer, inputs.block_tables, inputs.context_lens, q_start, q_len,
-                             scale, variant=self.variant)
+        return native_attend(q, pool, layer, inputs.block_tables, inputs.context_lens, q_start, q_len, scale,
+                             variant=self.variant)
 
-    def copy_blocks(self, k_pool, v_pool, pairs):
-        return xla_copy_blocks(k_pool, v_pool, pairs)
+    def copy_blocks(self, pool, pairs):
+        return xla_copy_blocks(pool, pairs)

@@ -25,15 +25,15 @@ class PallasBackend:
     def storage_dtype(self, dtype):
         return jnp.dtype(dtype)  # the kernels read bfloat16 pools natively
 
-    def write_kv(self, k_pool, v_pool, layer, k, v, slot_mapping):
-        return pallas_kernels.write_kv(k_pool, v_pool, k, v, slot_mapping, layer=layer, interpret=self.interpret)
+    def write_kv(self, pool, layer, k, v, slot_mapping):
+        return pallas_kernels.write_kv(pool, k, v, slot_mapping, layer=layer, interpret=self.interpret)
 
-    def attend(self, q, k_pool, v_pool, layer, inputs, scale):
+    def attend(self, q, pool, layer, inputs, scale):
         if inputs.plan.q_index.shape[1] != 1:  # query tiles of more than one token: a prefill step
-            return xla_attend(q, k_pool, v_pool, layer, inputs.plan, scale)
+            return xla_attend(q, pool, layer, inputs.plan, scale)
         # decode: packed token b is row b's one new token (N == B)
-        return pallas_kernels.paged_attention(q, k_pool, v_pool, inputs.block_tables, inputs.context_lens,
+        return pallas_kernels.paged_attention(q, pool, inputs.block_tables, inputs.context_lens,
                                               scale=float(scale), layer=layer, interpret=self.interpret)
 
-    def copy_blocks(self, k_pool, v_pool, pairs):
-        return pallas_kernels.copy_blocks(k_pool, v_pool, pairs, interpret=self.interpret)
+    def copy_blocks(self, pool, pairs):
+        return pallas_kernels.copy_blocks(pool, pairs, interpret=self.interpret)

@@ -41,13 +41,18 @@ def _from_pool(tile, dtype):
     return tile.astype(dtype)
 
 
-def xla_write_kv(k_pool, v_pool, layer, k, v, slot_mapping):
+def xla_write_kv(pool, layer, k, v, slot_mapping):
     """Scatters `k, v f[num_tokens, num_kv_heads, head_dim]` into slots `i32[num_tokens]` of one layer."""
-    block_size = k_pool.shape[2]
+    block_size = pool.shape[3]
     block_ids, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_pool = k_pool.at[layer, block_ids, offsets].set(_to_pool(k, k_pool))
-    v_pool = v_pool.at[layer, block_ids, offsets].set(_to_pool(v, v_pool))
-    return k_pool, v_pool
+    pool = pool.at[layer, block_ids, 0, offsets].set(_to_pool(k, pool))
+    return pool.at[layer, block_ids, 1, offsets].set(_to_pool(v, pool))
+
+
+def _tiles(pool, layer, blocks, dtype):
+    """The K and V of `blocks` (any shape of block ids) in one layer, each [*blocks.shape, block_size,
+    kv_heads, head_dim] in the compute dtype `dtype`."""
+    return _from_pool(pool[layer, blocks, 0], dtype), _from_pool(pool[layer, blocks, 1], dtype)
 
 
 def _visible(plan, key_tile):
@@ -66,15 +71,14 @@ def _softmax_partials(scores, visible):
     return row_max, jnp.sum(probs, axis=-1), probs
 
 
-def _decode_partials(q, k_pool, v_pool, layer, plan, scale):
+def _decode_partials(q, pool, layer, plan, scale):
     """Query tiles of one token: per pair (max, sum) f32[P, KVH, G] and unnormalised output [P, KVH, G, D]."""
     num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_pool.shape[3]
+    num_kv_heads = pool.shape[4]
     num_pairs = plan.pair_q.shape[0]
     blocks = plan.k_blocks[plan.pair_k]  # [P, blocks per key tile]
     # [P, TK, KVH, D], in the compute dtype (a 16-bit pool under float32 compute is widened here)
-    k = _from_pool(k_pool[layer, blocks], q.dtype).reshape(num_pairs, -1, num_kv_heads, head_dim)
-    v = _from_pool(v_pool[layer, blocks], q.dtype).reshape(num_pairs, -1, num_kv_heads, head_dim)
+    k, v = (x.reshape(num_pairs, -1, num_kv_heads, head_dim) for x in _tiles(pool, layer, blocks, q.dtype))
     q_pairs = (q[plan.q_index] * scale)[plan.pair_q].reshape(num_pairs, 1, num_kv_heads, -1, head_dim)
     scores = jnp.einsum("ptkgd,pskd->pkgts", q_pairs, k, preferred_element_type=jnp.float32)
     row_max, row_sum, probs = _softmax_partials(scores, _visible(plan, k.shape[1])[:, None, None])
@@ -82,21 +86,18 @@ def _decode_partials(q, k_pool, v_pool, layer, plan, scale):
     return row_max[..., 0], row_sum[..., 0], partial[..., 0, :]
 
 
-def _prefill_partials(q, k_pool, v_pool, layer, plan, scale):
+def _prefill_partials(q, pool, layer, plan, scale):
     """Query tiles of TQ tokens: per pair (max, sum) f32[P, KVH, G * TQ] and output [P, KVH, G * TQ, D]
     (the G query heads that share a KV head stack with the tile's tokens into one matrix)."""
     num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_pool.shape[3]
+    num_kv_heads = pool.shape[4]
     group = num_heads // num_kv_heads
     num_q_tiles, q_tile = plan.q_index.shape
     num_pairs = plan.pair_q.shape[0]
     blocks = plan.k_blocks[plan.pair_k]
-
-    def key_tiles(pool):  # -> [P, KVH, TK, D]: batch dimensions leading, as the batched matmuls want
-        tiles = _from_pool(pool[layer, blocks], q.dtype)  # in the compute dtype
-        return tiles.reshape(num_pairs, -1, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
-
-    k, v = key_tiles(k_pool), key_tiles(v_pool)
+    # [P, KVH, TK, D] in the compute dtype: batch dimensions leading, as the batched matmuls want
+    k, v = (x.reshape(num_pairs, -1, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
+            for x in _tiles(pool, layer, blocks, q.dtype))
     q_tiles = (q[plan.q_index] * scale).reshape(num_q_tiles, q_tile, num_kv_heads, group, head_dim)
     q_tiles = q_tiles.transpose(0, 2, 3, 1, 4).reshape(num_q_tiles, num_kv_heads, group * q_tile, head_dim)
     scores = jnp.einsum("pkmd,pksd->pkms", q_tiles[plan.pair_q], k, preferred_element_type=jnp.float32)
@@ -106,7 +107,7 @@ def _prefill_partials(q, k_pool, v_pool, layer, plan, scale):
     return row_max, row_sum, partial
 
 
-def xla_attend(q, k_pool, v_pool, layer, plan, scale):
+def xla_attend(q, pool, layer, plan, scale):
     """Exact causal attention over the pairs of an `AttentionPlan` (see `jpaged.device.batch`).
 
     q f[N, H, D] (packed new tokens) -> f[N, H, D]. Every pair computes the partial softmax of
@@ -116,10 +117,10 @@ def xla_attend(q, k_pool, v_pool, layer, plan, scale):
     query tiles) and prefill lay the tiles out differently: each is the faster layout on XLA CPU.
     """
     num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_pool.shape[3]
+    num_kv_heads = pool.shape[4]
     num_q_tiles, q_tile = plan.q_index.shape
     partials = _decode_partials if q_tile == 1 else _prefill_partials
-    row_max, row_sum, partial = partials(q, k_pool, v_pool, layer, plan, scale)
+    row_max, row_sum, partial = partials(q, pool, layer, plan, scale)
 
     # merge: each query tile combines its pairs (consecutive in pair order) by their running maxima
     def per_tile(op, x):
@@ -134,7 +135,7 @@ def xla_attend(q, k_pool, v_pool, layer, plan, scale):
     return out.reshape(num_q_tiles * q_tile, num_heads, head_dim)[plan.token_slot].astype(q.dtype)
 
 
-def gather_attend(q, k_pool, v_pool, layer, block_tables, context_lens, positions, scale):
+def gather_attend(q, pool, layer, block_tables, context_lens, positions, scale):
     """Reference: attention by gathering each row's whole block table (padded rows and tokens).
 
     q f[B, T, H, D]; block_tables i32[B, M]; context_lens i32[B]; positions i32[B, T] -> f[B, T, H, D].
@@ -142,10 +143,10 @@ def gather_attend(q, k_pool, v_pool, layer, block_tables, context_lens, position
     Simple and exact, but every row pays for the widest table: tests compare `xla_attend` with it.
     """
     batch, q_len, num_heads, head_dim = q.shape
-    num_kv_heads = k_pool.shape[3]
+    num_kv_heads = pool.shape[4]
     group = num_heads // num_kv_heads
-    k = _from_pool(k_pool[layer, block_tables], q.dtype).reshape(batch, -1, num_kv_heads, head_dim)  # [B, S, KVH, D]
-    v = _from_pool(v_pool[layer, block_tables], q.dtype).reshape(batch, -1, num_kv_heads, head_dim)
+    # [B, S, KVH, D]
+    k, v = (x.reshape(batch, -1, num_kv_heads, head_dim) for x in _tiles(pool, layer, block_tables, q.dtype))
     qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     key_pos = jnp.arange(k.shape[1])
@@ -157,12 +158,10 @@ def gather_attend(q, k_pool, v_pool, layer, block_tables, context_lens, position
     return out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
 
 
-def xla_copy_blocks(k_pool, v_pool, pairs):
-    """Copies block `pairs[i, 0]` to `pairs[i, 1]` in every layer of K and V. Padded pairs are (0, 0)."""
+def xla_copy_blocks(pool, pairs):
+    """Copies block `pairs[i, 0]` to `pairs[i, 1]` (its K and V) in every layer. Padded pairs are (0, 0)."""
     src, dst = pairs[:, 0], pairs[:, 1]
-    k_pool = k_pool.at[:, dst].set(k_pool[:, src])
-    v_pool = v_pool.at[:, dst].set(v_pool[:, src])
-    return k_pool, v_pool
+    return pool.at[:, dst].set(pool[:, src])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,11 +171,11 @@ class XLABackend:
     def storage_dtype(self, dtype):
         return storage_dtype(dtype)
 
-    def write_kv(self, k_pool, v_pool, layer, k, v, slot_mapping):
-        return xla_write_kv(k_pool, v_pool, layer, k, v, slot_mapping)
+    def write_kv(self, pool, layer, k, v, slot_mapping):
+        return xla_write_kv(pool, layer, k, v, slot_mapping)
 
-    def attend(self, q, k_pool, v_pool, layer, inputs, scale):
-        return xla_attend(q, k_pool, v_pool, layer, inputs.plan, scale)
+    def attend(self, q, pool, layer, inputs, scale):
+        return xla_attend(q, pool, layer, inputs.plan, scale)
 
-    def copy_blocks(self, k_pool, v_pool, pairs):
-        return xla_copy_blocks(k_pool, v_pool, pairs)
+    def copy_blocks(self, pool, pairs):
+        return xla_copy_blocks(pool, pairs)

@@ -14,9 +14,9 @@
 //
 // Operands (see native.py, which derives them from a step's ModelInputs):
 //   q        f32[N, H, D]            the packed new tokens' queries (H = KVH * G query heads)
-//   k_pool   T[L, NB, BS, KVH, D]    T = f32, f16, or u16 holding bfloat16 bit patterns
-//   v_pool   T[L, NB, BS, KVH, D]
-//   layer    s32[]                   which layer of the stacked pools to read
+//   pool     T[L, NB, 2, BS, KVH, D] T = f32, f16, or u16 holding bfloat16 bit patterns; block b's
+//                                    keys at [l, b, 0], its values at [l, b, 1], side by side
+//   layer    s32[]                   which layer of the stacked pool to read
 //   tables   s32[B, M]               each row's physical blocks in logical order
 //   context  s32[B]                  tokens of each row in the cache after this step (its new ones included)
 //   q_start  s32[B], q_len s32[B]    row b's new tokens are q[q_start[b] : q_start[b] + q_len[b]],
@@ -135,11 +135,11 @@ inline const float* ReadRow(const void* pool, int64_t offset, int64_t D, PoolTyp
 
 struct Problem {
   const float* q;
-  const void* k;
-  const void* v;
+  const void* k;  // the pool; token offsets (TokenOffsets) count from here for K
+  const void* v;  // the pool plus one block's K: the same offsets give V
   PoolType type;
   int64_t H, D, NB, BS, KVH, G, M;
-  int64_t layer_offset;  // elements before this layer's blocks
+  int64_t layer_offset;  // elements before this layer's blocks (each 2 * BS * KVH * D: its K, then its V)
   const int32_t* tables;
   const int32_t* context;
   const int32_t* q_start;
@@ -153,6 +153,12 @@ struct WorkItem {
   int64_t cost;
   bool all_heads = false;  // every KV head at once (the vector path; kv_head unused)
 };
+
+// Elements from p.k to slot `slot` of block `block`'s keys in this layer; the same count from p.v
+// reaches its values. A block holds 2 * BS slots of KVH * D: its BS keys, then its BS values.
+inline int64_t SlotOffset(const Problem& p, int64_t block, int64_t slot) {
+  return p.layer_offset + (block * 2 * p.BS + slot) * p.KVH * p.D;
+}
 
 // The keys a work item reads: positions 0 .. ItemKeys - 1 of its row.
 inline int64_t ItemKeys(const Problem& p, const WorkItem& item) {
@@ -196,9 +202,7 @@ bool RunItem(const Problem& p, const WorkItem& item, std::vector<float>& buffer)
   }
   std::fill(acc, acc + nvec * D, 0.0f);
 
-  const int64_t token_stride = p.KVH * D;  // between consecutive slots of a block
-  const int64_t block_stride = p.BS * token_stride;
-  const int64_t head_offset = p.layer_offset + item.kv_head * D;
+  const int64_t head = item.kv_head * D;
   const size_t elem = p.type == PoolType::kF32 ? 4 : 2;
   const float* k_rows[kTile];
   const float* v_rows[kTile];
@@ -210,7 +214,7 @@ bool RunItem(const Problem& p, const WorkItem& item, std::vector<float>& buffer)
       const int64_t pos = tile + t;
       const int64_t block = table[pos / p.BS];
       if (block < 0 || block >= p.NB) return false;
-      const int64_t offset = head_offset + block * block_stride + (pos % p.BS) * token_stride;
+      const int64_t offset = SlotOffset(p, block, pos % p.BS) + head;
       k_rows[t] = ReadRow(p.k, offset, D, p.type, k_scratch + t * D);
       v_rows[t] = ReadRow(p.v, offset, D, p.type, v_scratch + t * D);
     }
@@ -218,7 +222,7 @@ bool RunItem(const Problem& p, const WorkItem& item, std::vector<float>& buffer)
     for (int64_t pos = tile + kTile; pos < std::min<int64_t>(tile + 2 * kTile, last_pos + 1); ++pos) {
       const int64_t block = table[pos / p.BS];
       if (block < 0 || block >= p.NB) break;
-      const int64_t offset = (head_offset + block * block_stride + (pos % p.BS) * token_stride) * elem;
+      const int64_t offset = (SlotOffset(p, block, pos % p.BS) + head) * elem;
       PrefetchL2(p.k, offset, D * static_cast<int64_t>(elem));
       PrefetchL2(p.v, offset, D * static_cast<int64_t>(elem));
     }
@@ -346,20 +350,19 @@ inline float AddLanes(VF x) {
 // with block table `table`, in this layer: one division for all of them. Returns how many lie in
 // blocks inside the pool (stopping at the first that does not).
 inline int TokenOffsets(const Problem& p, const int32_t* table, int64_t start, int n, int64_t* out) {
-  const int64_t token_stride = p.KVH * p.D, block_stride = p.BS * token_stride;
   int64_t entry = start / p.BS, slot = start % p.BS;
   for (int t = 0; t < n; ++t) {
     const int64_t block = table[entry];
     if (block < 0 || block >= p.NB) return t;
-    out[t] = p.layer_offset + block * block_stride + slot * token_stride;
+    out[t] = SlotOffset(p, block, slot);
     if (++slot == p.BS) slot = 0, ++entry;
   }
   return n;
 }
 
 // One work item of the vector path: query tokens chunk_start .. chunk_start + chunk_len - 1 of a
-// row (decode: its one token), every KV head: the row's blocks are read whole (K and V of all
-// heads of a block's tokens lie together in the pool), and each K or V row is loaded once for the
+// row (decode: its one token), every KV head: the row's blocks are read whole (a block's K and V,
+// every head, are one contiguous run of the pool), and each K or V row is loaded once for the
 // G query heads that read it. head_dim is C * 16. Query token i sees the keys at positions <= its
 // own. Returns false on a block outside the pool.
 //
@@ -569,29 +572,26 @@ struct Work {
   }
 };
 
-ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
-                          ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pool,
+                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
                           ffi::Buffer<ffi::S32> context, ffi::Buffer<ffi::S32> q_start,
                           ffi::Buffer<ffi::S32> q_len, float scale, ffi::ResultBuffer<ffi::F32> out) {
   auto q_dims = q.dimensions();
-  auto pool_dims = k_pool.dimensions();
+  auto pool_dims = kv_pool.dimensions();
   auto table_dims = tables.dimensions();
-  if (q_dims.size() != 3 || pool_dims.size() != 5 || table_dims.size() != 2)
-    return ffi::Error::InvalidArgument("paged attention: q must be [N, H, D], the pools [L, NB, BS, KVH, D], "
+  if (q_dims.size() != 3 || pool_dims.size() != 6 || pool_dims[2] != 2 || table_dims.size() != 2)
+    return ffi::Error::InvalidArgument("paged attention: q must be [N, H, D], the pool [L, NB, 2, BS, KVH, D], "
                                        "the block tables [B, M]");
-  if (v_pool.dimensions().size() != 5 || v_pool.element_type() != k_pool.element_type() ||
-      !std::equal(pool_dims.begin(), pool_dims.end(), v_pool.dimensions().begin()))
-    return ffi::Error::InvalidArgument("paged attention: the K and V pools differ in shape or dtype");
   const int64_t N = q_dims[0], H = q_dims[1], D = q_dims[2];
-  const int64_t L = pool_dims[0], NB = pool_dims[1], BS = pool_dims[2], KVH = pool_dims[3];
+  const int64_t L = pool_dims[0], NB = pool_dims[1], BS = pool_dims[3], KVH = pool_dims[4];
   const int64_t B = table_dims[0], M = table_dims[1];
-  if (pool_dims[4] != D || KVH <= 0 || H % KVH != 0)
+  if (pool_dims[5] != D || KVH <= 0 || H % KVH != 0)
     return ffi::Error::InvalidArgument("paged attention: head_dim differs between q and the pools, or the "
                                        "query heads are not a multiple of the KV heads");
   if (context.element_count() != B || q_start.element_count() != B || q_len.element_count() != B)
     return ffi::Error::InvalidArgument("paged attention: context, q_start and q_len need one entry per row");
   PoolType type;
-  switch (k_pool.element_type()) {
+  switch (kv_pool.element_type()) {
     case ffi::DataType::F32: type = PoolType::kF32; break;
     case ffi::DataType::F16: type = PoolType::kF16; break;
     case ffi::DataType::U16: type = PoolType::kBF16Bits; break;  // jpaged stores bfloat16 pools as bits
@@ -603,8 +603,10 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (layer_id < 0 || layer_id >= L) return ffi::Error::InvalidArgument("paged attention: layer out of range");
 
   auto work = std::make_shared<Work>();
-  work->problem = Problem{q.typed_data(), k_pool.untyped_data(), v_pool.untyped_data(), type, H, D, NB, BS,
-                          KVH, H / KVH, M, layer_id * NB * BS * KVH * D, tables.typed_data(),
+  const int64_t block_k_bytes = BS * KVH * D * (type == PoolType::kF32 ? 4 : 2);
+  const char* base = static_cast<const char*>(kv_pool.untyped_data());
+  work->problem = Problem{q.typed_data(), base, base + block_k_bytes, type, H, D, NB, BS,
+                          KVH, H / KVH, M, layer_id * NB * 2 * BS * KVH * D, tables.typed_data(),
                           context.typed_data(), q_start.typed_data(), q_len.typed_data(), scale,
                           out->typed_data()};
   const bool vector_path = ChunkKernel(work->problem) != nullptr;
@@ -652,8 +654,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::AnyBuffer>()          // k_pool
-                                  .Arg<ffi::AnyBuffer>()          // v_pool
+                                  .Arg<ffi::AnyBuffer>()          // kv_pool
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()   // tables
                                   .Arg<ffi::Buffer<ffi::S32>>()   // context
