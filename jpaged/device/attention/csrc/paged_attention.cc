@@ -109,6 +109,9 @@ inline float F16ToFloat(uint16_t h) {
 
 enum class PoolType { kF32, kF16, kBF16Bits };
 
+// Bytes of one stored value.
+constexpr int64_t ElementBytes(PoolType type) { return type == PoolType::kF32 ? 4 : 2; }
+
 // A pointer to `D` floats of one token's K or V for one head: the pool itself for float32,
 // else `scratch` filled with the widened values.
 inline const float* ReadRow(const void* pool, int64_t offset, int64_t D, PoolType type, float* scratch) {
@@ -203,7 +206,7 @@ bool RunItem(const Problem& p, const WorkItem& item, std::vector<float>& buffer)
   std::fill(acc, acc + nvec * D, 0.0f);
 
   const int64_t head = item.kv_head * D;
-  const size_t elem = p.type == PoolType::kF32 ? 4 : 2;
+  const int64_t elem = ElementBytes(p.type);
   const float* k_rows[kTile];
   const float* v_rows[kTile];
   float scores[kTile], probs[kTile];
@@ -223,8 +226,8 @@ bool RunItem(const Problem& p, const WorkItem& item, std::vector<float>& buffer)
       const int64_t block = table[pos / p.BS];
       if (block < 0 || block >= p.NB) break;
       const int64_t offset = (SlotOffset(p, block, pos % p.BS) + head) * elem;
-      PrefetchL2(p.k, offset, D * static_cast<int64_t>(elem));
-      PrefetchL2(p.v, offset, D * static_cast<int64_t>(elem));
+      PrefetchL2(p.k, offset, D * elem);
+      PrefetchL2(p.v, offset, D * elem);
     }
     for (int64_t j = 0; j < nvec; ++j) {
       const int64_t q_pos = first_pos + j / G;
@@ -378,7 +381,7 @@ inline int TokenOffsets(const Problem& p, const int32_t* table, int64_t start, i
 template <PoolType T, int C, int G>
 bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
   constexpr int D = C * 16;
-  constexpr int64_t elem = T == PoolType::kF32 ? 4 : 2;
+  constexpr int64_t elem = ElementBytes(T);
   const int64_t H = p.H, KVH = p.KVH, Q = item.chunk_len;
   const int32_t* table = p.tables + static_cast<int64_t>(item.row) * p.M;
   const int64_t first_row = p.q_start[item.row] + item.chunk_start;  // the chunk's first token in q
@@ -603,7 +606,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (layer_id < 0 || layer_id >= L) return ffi::Error::InvalidArgument("paged attention: layer out of range");
 
   auto work = std::make_shared<Work>();
-  const int64_t block_k_bytes = BS * KVH * D * (type == PoolType::kF32 ? 4 : 2);
+  const int64_t block_k_bytes = BS * KVH * D * ElementBytes(type);
   const char* base = static_cast<const char*>(kv_pool.untyped_data());
   work->problem = Problem{q.typed_data(), base, base + block_k_bytes, type, H, D, NB, BS,
                           KVH, H / KVH, M, layer_id * NB * 2 * BS * KVH * D, tables.typed_data(),
