@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged.device.sampler import SamplingInputs, draw, filter_top_k_top_p, row_key, sample
+from jpaged.device.sampler import SamplingInputs, draw, filter_top_k_top_p, row_key, row_max_argmax, sample
 
 
 def reference_filter(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
@@ -42,6 +42,23 @@ def test_filter_per_row_settings():
     for row, (k, p) in enumerate([(2, 1.0), (0, 0.3), (10, 0.6)]):
         expected = reference_filter(np.asarray(logits[row]), k, p)
         np.testing.assert_array_equal(np.isfinite(got[row]), np.isfinite(expected))
+
+
+@pytest.mark.parametrize("vocab, chunk", [(96, 8), (100, 8), (300, 128), (7, 128)])
+def test_row_max_argmax_matches_numpy(vocab, chunk):
+    """The chunked argmax against numpy's: ties go to the lowest index (within a chunk and across
+    chunks), rows of -inf give 0, a vocabulary that is no multiple of the chunk is padded."""
+    rng = np.random.default_rng(vocab)
+    logits = rng.integers(-3, 4, (9, vocab)).astype(np.float32)  # small integers: many ties
+    logits[1] = -np.inf
+    logits[2] = 5.0
+    logits[3, -1] = 9.0  # the max in the last (padded) chunk
+    logits[4, [vocab // 2, vocab - 1, 0]] = 9.0  # tied in several chunks: the first wins
+    logits[5] = rng.standard_normal(vocab)
+    max_, index = row_max_argmax(jnp.asarray(logits), chunk)
+    np.testing.assert_array_equal(np.asarray(index), np.argmax(logits, -1))
+    np.testing.assert_array_equal(np.asarray(max_), logits.max(-1))
+    assert index.dtype == jnp.int32
 
 
 def test_draw_follows_the_distribution():

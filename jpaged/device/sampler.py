@@ -83,6 +83,24 @@ def filter_top_k_top_p(logits, top_k, top_p):
     return jnp.where((logits >= nucleus) | (top_p[:, None] >= 1.0), logits, -jnp.inf)
 
 
+def row_max_argmax(logits, chunk: int = 128):
+    """Per row of logits f32[N, V]: (its largest value, the index of it, the lowest on ties as
+    `jnp.argmax`), from each `chunk` of the row's maximum (a plain vectorized reduction), the first
+    chunk holding the row's maximum, then the argmax inside that one chunk. XLA's CPU argmax over a
+    whole row is a variadic (value, index) reduction that does not vectorize: 14 ms at 128 rows of
+    49,152 logits, against under 1 ms this way. A row holding NaN gets an arbitrary index (XLA's CPU
+    max may skip NaN): its logits are garbage either way. Pads the vocabulary with -inf to whole
+    chunks only when `chunk` does not divide it."""
+    n, vocab = logits.shape
+    if vocab % chunk:
+        logits = jnp.pad(logits, ((0, 0), (0, -vocab % chunk)), constant_values=-jnp.inf)
+    chunks = logits.reshape(n, -1, chunk)
+    chunk_max = jnp.max(chunks, axis=-1)  # [N, V / chunk]
+    first = jnp.argmax(chunk_max, axis=-1)  # the first chunk that holds the row's max
+    inside = jnp.argmax(jnp.take_along_axis(chunks, first[:, None, None], axis=1)[:, 0], axis=-1)
+    return jnp.max(chunk_max, axis=-1), (first * chunk + inside).astype(jnp.int32)
+
+
 def draw(key, logits):
     """One token from softmax(logits) by inverting its CDF with a single uniform (exact, and far
     cheaper than Gumbel noise over the whole vocabulary)."""
@@ -101,18 +119,18 @@ def sample(logits, rows, params: SamplingInputs, *, num_top: int = 1, use_filter
     temperature > 0), `use_filter` the top-k/top-p filter (only when a row needs it), `num_top`
     the `num_top` most likely tokens per row (0: none, `top_ids` is [B, 0]).
 
-    Greedy rows only read the logits (row max, exp-sum, argmax) and never copy them: the
+    Greedy rows only read the logits (row max and argmax together, exp-sum) and never copy them: the
     log-probability of a token is `(logit - max) - log(sum(exp(logits - max)))`, the very operations
     of `jax.nn.log_softmax`, computed for the chosen and the top tokens only.
     """
     logits = logits.astype(jnp.float32)
-    row_max = jnp.max(logits, axis=-1)
+    row_max, argmax = row_max_argmax(logits)
     log_norm = jnp.log(jnp.sum(jnp.exp(logits - row_max[:, None]), axis=-1))  # [N]
 
     def logprob(values, at):  # values gathered from logits rows `at` -> their log-probabilities
         return (values - row_max[at]) - log_norm[at]
 
-    token_ids = jnp.argmax(logits, axis=-1)[rows]
+    token_ids = argmax[rows]
     if use_random:
         temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
         scaled = logits[rows] / temperature[:, None]
@@ -123,8 +141,10 @@ def sample(logits, rows, params: SamplingInputs, *, num_top: int = 1, use_filter
         token_ids = jnp.where(params.temperature > 0, drawn, token_ids)
     token_ids = token_ids.astype(jnp.int32)
     chosen = logprob(logits[rows, token_ids], rows)
-    if num_top:
-        top_logits, top_ids = jax.lax.top_k(logits, num_top)  # per logits row, then per sample row
+    if num_top:  # per logits row, then per sample row; the top 1 is the argmax (lax.top_k also puts
+        # the lowest index first on ties) and costs nothing more
+        top_logits, top_ids = ((row_max[:, None], argmax[:, None]) if num_top == 1
+                               else jax.lax.top_k(logits, num_top))
         top_ids, top_logprobs = top_ids[rows], logprob(top_logits[rows], rows[:, None])
     else:
         top_ids, top_logprobs = jnp.zeros((rows.shape[0], 0), jnp.int32), jnp.zeros((rows.shape[0], 0))
