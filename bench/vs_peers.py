@@ -9,7 +9,10 @@ throughput). Figure: output tokens / wall seconds of the timed run.
 
 Every engine runs in its own subprocess, one after another (never two at a time), each in its
 own venv: jpaged and HF in this one (`sys.executable`), vLLM in `.venv-vllm` (made by
-`bench/peers/setup_vllm.sh`).
+`bench/peers/setup_vllm.sh`). `--rounds N` runs jpaged, jpaged-xla and vLLM N times in rotation
+(HF once): this shared machine's speed moves by more from one quarter hour to the next than the
+engines differ, so each round's ratios compare engines run minutes apart, and the report gives
+every round's and their median (the tokens/s shown are each engine's median round).
 What each one's timing excludes (model load, compilation, warm-up) is written in the JSON
 (`peers.<name>.excluded`) and in the docstrings of `bench/peers/*_peer.py`.
 
@@ -19,6 +22,7 @@ What each one's timing excludes (model load, compilation, warm-up) is written in
     python bench/vs_peers.py --quick        # 32 requests, jpaged vs HF batch 16 (< 5 min idle; 17 min
                                             # were measured at a load average of 7)
     python bench/vs_peers.py --peers hf,vllm --out bench/results
+    python bench/vs_peers.py --peers jpaged,vllm --num-requests 120 --rounds 3   # ~25 min idle
 
 Writes `<out>/vs_peers.json` and `<out>/vs_peers.png` (`--quick` writes `vs_peers_quick.*`).
 HF static batching: a batch's cost does not depend on the batches after it, so the HF figures for
@@ -156,6 +160,34 @@ def summarize(peers: dict, num_requests: list[int]) -> dict[str, dict[int, dict]
     return {label: {n: _best(rs) for n, rs in sorted(by_n.items())} for label, by_n in table.items()}
 
 
+def median_table(tables: list[dict]) -> dict[str, dict[int, dict]]:
+    """Per config and size, the run of median tokens/s over the rounds' tables (the lower of the
+    middle two for an even count)."""
+    merged: dict[str, dict[int, list]] = {}
+    for table in tables:
+        for label, by_n in table.items():
+            for n, run in by_n.items():
+                merged.setdefault(label, {}).setdefault(n, []).append(run)
+    return {label: {n: sorted(rs, key=lambda r: r["tokens_per_s"])[(len(rs) - 1) // 2] for n, rs in by_n.items()}
+            for label, by_n in merged.items()}
+
+
+def median_ratios(per_round: list[dict]) -> dict:
+    """Each ratio as the median (lower middle) of the rounds' ratios, each round's listed beside it;
+    a goal is met when the median meets it."""
+    out: dict = {}
+    for ratio in per_round:
+        for n, entry in ratio.items():
+            for key, e in entry.items():
+                out.setdefault(n, {}).setdefault(key, {"vs": e["vs"], "rounds": []})["rounds"].append(e["ratio"])
+    for entry in out.values():
+        for key, e in entry.items():
+            e["ratio"] = sorted(e["rounds"])[(len(e["rounds"]) - 1) // 2]
+            if key in GOALS:
+                e["goal"], e["met"] = GOALS[key], e["ratio"] >= GOALS[key]
+    return out
+
+
 def ratios(table: dict, num_requests: list[int]) -> dict:
     out = {}
     for n in num_requests:
@@ -222,8 +254,10 @@ def print_table(table: dict, ratio: dict, par: dict, num_requests: list[int]) ->
                 busy.append(f"{r['machine_cpu_busy_fraction']:.2f}")
         print(row + "  " + "/".join(busy))
     for n, entry in ratio.items():
-        parts = [f"{k} ({e['vs']}): {e['ratio']:.2f}x" + (f" [goal >= {e['goal']}x: {'met' if e['met'] else 'not met'}]"
-                                                          if "goal" in e else "") for k, e in entry.items()]
+        parts = [f"{k} ({e['vs']}): {e['ratio']:.2f}x"
+                 + (f" (median of {', '.join(f'{r:.2f}' for r in e['rounds'])})" if len(e.get("rounds", ())) > 1 else "")
+                 + (f" [goal >= {e['goal']}x: {'met' if e['met'] else 'not met'}]" if "goal" in e else "")
+                 for k, e in entry.items()]
         print(f"jpaged / peer, n={n}: " + "; ".join(parts))
     for label, p in par.items():
         print(f"greedy parity vs jpaged, {label} (n={p['num_requests']}): {p['identical_fraction']:.0%} identical "
@@ -277,6 +311,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-requests", default=None, help="comma list of run sizes (default 32,120; --quick 32)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per size after the warm-up (best is reported)")
+    ap.add_argument("--rounds", type=int, default=1, help="run jpaged, jpaged-xla and vLLM this many times in "
+                                                          "rotation (HF once); ratios are per round, then the median")
     ap.add_argument("--hf-batch-sizes", default=None, help="default 1,16 (--quick 16); run largest first")
     ap.add_argument("--hf-b1-requests", type=int, default=None,
                     help="run HF batch 1 on only the first N requests (default: all; batch 1 is the slowest peer)")
@@ -302,6 +338,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     peers = [p for p in (args.peers or ("jpaged,hf" if args.quick else "jpaged,hf,vllm")).split(",") if p]
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: give 1 or more")
     unknown = set(peers) - set(ALL_PEERS)
     if unknown:
         raise SystemExit(f"unknown peers {sorted(unknown)}; choose from {ALL_PEERS}")
@@ -328,8 +366,10 @@ def main(argv=None) -> dict:
     settings_extra = {"jpaged_engine_args": jpaged_args.get("engine_args", {}), "vllm_omp_bind": args.vllm_omp_bind,
                       "vllm_kv_cache_space_gib": args.vllm_kv_cache_gib, "vllm_prefix_caching": args.vllm_prefix_caching,
                       "hf_batch_sizes": hf_batch_sizes, "hf_b1_requests": args.hf_b1_requests, "reused": sorted(reuse)}
-    results: dict[str, dict] = {}
+    rounds: list[dict[str, dict]] = [{} for _ in range(args.rounds)]  # worker name -> result, per round
+    once: dict[str, dict] = {}  # HF (and a vLLM that could not run): once, shared by every round
     settings: dict = {"num_requests": num_requests, "max_tokens": args.max_tokens, "repeats": args.repeats,
+                      "rounds": args.rounds,
                       "sampling": "greedy (temperature 0), EOS ignored: exactly max_tokens tokens per request",
                       "arrivals": "all requests submitted at once (offline throughput)",
                       "prompt_tokens": {"mean": sum(map(len, prompt_ids)) / len(prompt_ids),
@@ -338,8 +378,11 @@ def main(argv=None) -> dict:
     def write_report(final: bool = False) -> dict:
         """Writes the JSON and the plot from the results so far (after every worker, so a long run
         that is stopped keeps what it measured)."""
-        table = summarize(results, num_requests)
-        ratio = ratios(table, num_requests)
+        done = [{**r, **once} for r in rounds if "jpaged" in r]
+        tables = [summarize(r, num_requests) for r in done]
+        table = median_table(tables)
+        per_round = [ratios(t, num_requests) for t in tables]
+        ratio = median_ratios(per_round)
         par = parity(table)
         if final:
             print_table(table, ratio, par, num_requests)
@@ -354,12 +397,19 @@ def main(argv=None) -> dict:
             "results": {label: {str(n): {k: v for k, v in r.items() if k != "output_token_ids"} for n, r in by_n.items()}
                         for label, by_n in table.items()},
             "ratios_jpaged_over_peer": ratio, "goals": GOALS, "greedy_parity_vs_jpaged": par,
-            "peers": {name: {k: v for k, v in r.items() if k != "runs"} for name, r in results.items()},
+            "peers": {name: {k: v for k, v in r.items() if k != "runs"} for name, r in {**rounds[0], **once}.items()},
+            "rounds": [{"tokens_per_s": {label: {str(n): r["tokens_per_s"] for n, r in by_n.items()}
+                                         for label, by_n in t.items()},
+                        "finished_at": {name: r.get("finished_at") for name, r in done_r.items()},
+                        "ratios_jpaged_over_peer": ratio_r}
+                       for t, ratio_r, done_r in zip(tables, per_round, done)],
             "notes": NOTES,
         }
         (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
         subtitle = (f"{machine['model_name']}, {machine['nproc']} cores; machine load (1 min) "
                     f"{machine['loadavg_at_start'][0]:.1f} at start, {loadavg_end[0]:.1f} at end")
+        if len(done) > 1:
+            subtitle += f"; median of {len(done)} rounds"
         if reuse:
             subtitle += f" (reused runs {','.join(sorted(reuse))}: measured earlier, per-run load in the JSON)"
         if table:
@@ -369,9 +419,9 @@ def main(argv=None) -> dict:
     raw_dir = out_dir / f"{stem}_raw"
     raw_dir.mkdir(exist_ok=True)
 
-    def run(name: str, python: str, script: str, spec: dict, **kw) -> dict:
+    def run(name: str, python: str, script: str, spec: dict, round_: int = 0, **kw) -> dict:
         """One worker, its raw result (token ids included) kept in `raw_dir`, or reused from there."""
-        raw = raw_dir / f"{name}.json"
+        raw = raw_dir / (f"{name}.json" if round_ == 0 else f"{name}.round{round_ + 1}.json")
         if name in reuse:
             if not raw.is_file():
                 raise SystemExit(f"--reuse {name}: {raw} not found")
@@ -384,21 +434,24 @@ def main(argv=None) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="vs_peers_") as tmp:
         work = Path(tmp)
-        results["jpaged"] = run("jpaged", sys.executable, "jpaged_peer.py",
-                                {**base, "dtype": "float32", "kv_cache_memory": "1GiB", **jpaged_args})
-        write_report()
-        if "jpaged-xla" in peers:  # the same engine with attention on the XLA path: what the native kernel moved
-            xla_args = {**jpaged_args.get("engine_args", {}), "attention_backend": "xla"}
-            results["jpaged-xla"] = run("jpaged-xla", sys.executable, "jpaged_peer.py",
-                                        {**base, "dtype": "float32", "kv_cache_memory": "1GiB", "engine_args": xla_args})
+        vllm_python = Path(args.vllm_venv) / "bin" / "python"
+        if "vllm" in peers and (not vllm_python.exists() or not (Path(args.hf_dir) / "config.json").is_file()):
+            why = f"{vllm_python} or {args.hf_dir} missing: run bash bench/peers/setup_vllm.sh"
+            print(f"--- vllm skipped: {why}", file=sys.stderr)
+            once["vllm"] = {"error": why}
+        for k, results in enumerate(rounds):
+            if args.rounds > 1:
+                print(f"=== round {k + 1} of {args.rounds}", file=sys.stderr, flush=True)
+            results["jpaged"] = run("jpaged", sys.executable, "jpaged_peer.py",
+                                    {**base, "dtype": "float32", "kv_cache_memory": "1GiB", **jpaged_args}, k)
             write_report()
-        if "vllm" in peers:
-            python = Path(args.vllm_venv) / "bin" / "python"
-            if not python.exists() or not (Path(args.hf_dir) / "config.json").is_file():
-                why = f"{python} or {args.hf_dir} missing: run bash bench/peers/setup_vllm.sh"
-                print(f"--- vllm skipped: {why}", file=sys.stderr)
-                results["vllm"] = {"error": why}
-            else:
+            if "jpaged-xla" in peers:  # the same engine with attention on the XLA path: what the native kernel moved
+                xla_args = {**jpaged_args.get("engine_args", {}), "attention_backend": "xla"}
+                results["jpaged-xla"] = run("jpaged-xla", sys.executable, "jpaged_peer.py",
+                                            {**base, "dtype": "float32", "kv_cache_memory": "1GiB",
+                                             "engine_args": xla_args}, k)
+                write_report()
+            if "vllm" in peers and "vllm" not in once:
                 bind = f"0-{(os.cpu_count() or 1) - 1}" if args.vllm_omp_bind == "all" else args.vllm_omp_bind
                 env = {"VLLM_CPU_OMP_THREADS_BIND": bind}  # 'auto': 1 compute core + 1 reserved, on 2 cores
                 if args.vllm_omp_bind == "all":
@@ -406,7 +459,7 @@ def main(argv=None) -> dict:
                 for dtype in args.vllm_dtypes.split(","):
                     spec = {**base, "dtype": dtype, "hf_dir": args.hf_dir, "kv_cache_space_gib": args.vllm_kv_cache_gib,
                             "enable_prefix_caching": args.vllm_prefix_caching, "env": env}
-                    results[f"vllm-{dtype}"] = run(f"vllm-{dtype}", str(python), "vllm_peer.py", spec,
+                    results[f"vllm-{dtype}"] = run(f"vllm-{dtype}", str(vllm_python), "vllm_peer.py", spec, k,
                                                    env={"VLLM_LOGGING_LEVEL": "WARNING"})
                     write_report()
         if "hf" in peers:
@@ -416,7 +469,7 @@ def main(argv=None) -> dict:
                        "max_requests_by_batch": {"1": args.hf_b1_requests} if args.hf_b1_requests else {},
                        "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                        else tokenizer.eos_token_id}
-            results["hf"] = run("hf", sys.executable, "hf_peer.py", hf_spec)
+            once["hf"] = run("hf", sys.executable, "hf_peer.py", hf_spec)
             write_report()
 
     report = write_report(final=True)
