@@ -37,13 +37,14 @@ PEAK_N = 2048
 BLOCK_SIZE = 16
 
 
-def matmul_peak(repeats: int = 5) -> float:
-    """GFLOP/s of the best of `repeats` f32 [N, N] @ [N, N] products (compiled once)."""
+def matmul_peak(repeats: int = 5, dtype: str = "float32") -> float:
+    """GFLOP/s of the best of `repeats` [N, N] @ [N, N] products in `dtype` with a float32 result
+    (compiled once)."""
     import jax
     import jax.numpy as jnp
 
-    a = jax.random.normal(jax.random.key(0), (PEAK_N, PEAK_N), jnp.float32)
-    f = jax.jit(lambda x, y: x @ y)
+    a = jax.random.normal(jax.random.key(0), (PEAK_N, PEAK_N), dtype)
+    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     f(a, a).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
@@ -137,6 +138,12 @@ def main(argv=None) -> dict:
                          model_gflops=gflops, peak_gflops=peak, mfu=gflops / peak))
         print(f"batch {batch:4d}: decode step {1e3 * seconds:7.1f} ms, {batch / seconds:6.0f} tok/s, "
               f"{gflops:6.1f} GFLOP/s = {gflops / peak:.0%} of the f32 matmul peak ({peak:.0f} GFLOP/s)", flush=True)
+    # Not the model's (its parameters stay float32 on a CPU): what a bfloat16 compute path could use,
+    # read after the last batch. On an AMD EPYC with AVX512-BF16 XLA's CPU dot ran bf16 operands at
+    # 1.9x float32 with a float32 result, and slower than float32 with a bfloat16 one.
+    bf16_peak = matmul_peak(dtype="bfloat16")
+    print(f"bfloat16 x bfloat16 -> float32 matmul peak: {bf16_peak:.0f} GFLOP/s "
+          f"({bf16_peak / peaks[-1]:.2f}x float32's last reading)", flush=True)
     for r in rows:
         r["throughput_vs_batch_1"] = r["tokens_per_s"] / rows[0]["tokens_per_s"] if batches[0] == 1 else None
     at_64 = [r["mfu"] for r in rows if r["batch"] >= 64]
@@ -146,6 +153,8 @@ def main(argv=None) -> dict:
                            "peak": f"jnp.dot f32 {PEAK_N}^3, best of 5, measured before and after every batch",
                            "model_flops_per_token": flops_per_token, "repeats": repeats},
               "peak_readings_gflops": peaks, "rows": rows,
+              "bfloat16_peak_gflops": bf16_peak, "bfloat16_peak": "jnp.dot bf16 x bf16 -> f32, "
+                                                                   f"{PEAK_N}^3, best of 5, after the last batch",
               "goal": {"mfu_at_batch_64_or_more": 0.40, "best": max(at_64), "met": max(at_64) >= 0.40}}
     stem = results_stem("mfu", args.quick)
     write_json(args.out / f"{stem}.json", result)
