@@ -140,7 +140,7 @@ def main(argv=None) -> dict:
               f"{gflops:6.1f} GFLOP/s = {gflops / peak:.0%} of the f32 matmul peak ({peak:.0f} GFLOP/s)", flush=True)
     # Not the model's (its parameters stay float32 on a CPU): what a bfloat16 compute path could use,
     # read after the last batch. On an AMD EPYC with AVX512-BF16 XLA's CPU dot ran bf16 operands at
-    # 1.9x float32 with a float32 result, and slower than float32 with a bfloat16 one.
+    # 1.7-1.9x float32 with a float32 result, and no faster than float32 with a bfloat16 one.
     bf16_peak = matmul_peak(dtype="bfloat16")
     print(f"bfloat16 x bfloat16 -> float32 matmul peak: {bf16_peak:.0f} GFLOP/s "
           f"({bf16_peak / peaks[-1]:.2f}x float32's last reading)", flush=True)

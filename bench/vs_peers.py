@@ -22,7 +22,7 @@ What each one's timing excludes (model load, compilation, warm-up) is written in
     python bench/vs_peers.py --quick        # 32 requests, jpaged vs HF batch 16 (< 5 min idle; 17 min
                                             # were measured at a load average of 7)
     python bench/vs_peers.py --peers hf,vllm --out bench/results
-    python bench/vs_peers.py --peers jpaged,vllm --num-requests 120 --rounds 3   # ~25 min idle
+    python bench/vs_peers.py --peers jpaged,jpaged-xla,vllm --num-requests 120 --rounds 3   # 31 min
 
 Writes `<out>/vs_peers.json` and `<out>/vs_peers.png` (`--quick` writes `vs_peers_quick.*`).
 HF static batching: a batch's cost does not depend on the batches after it, so the HF figures for
