@@ -5,7 +5,7 @@ tokens and with one (`num_top=1`, as a request for logprobs asks), against `prev
 the same computation with XLA's argmax over whole rows and `lax.top_k` for the top token (the
 sampler before commit 6aa7be4). XLA's CPU argmax is a variadic (value, index) reduction that does
 not vectorize; `sample` takes the argmax from chunk maxima instead. Every variant runs alternating
-with the others, median of `--reps` rounds of 20 calls, and both must choose the same tokens.
+with the others, median of `--reps` rounds of 20 calls; the two must agree (tokens, top tokens, logprobs).
 
     python bench/sampler.py [--quick] [--reps 7] [--out bench/results]   # sampler{,_quick}.json/.png
 """
