@@ -7,7 +7,8 @@ a CPU instead of compiling for a GPU):
 * :func:`paged_attention` (:mod:`pallas_kernels.paged_attention`): decode attention that reads
   K/V block by block through the block table inside the kernel; GQA groups share each K/V
   load; exact online softmax masked by context length; optional split-K with a
-  log-sum-exp merge.
+  log-sum-exp merge; optional sliding window (a traced per-layer W: the loop starts at the
+  window's first block) and logit soft-capping.
 * :func:`write_kv` (:mod:`pallas_kernels.cache_write`): fused reshape-and-block-write of a
   step's new K/V into their slots, in place.
 * :func:`copy_blocks` (:mod:`pallas_kernels.block_copy`): every copy-on-write block copy of a

@@ -29,6 +29,21 @@ Kernel design (Triton-style Pallas; one program per ``(sequence, kv_head, contex
   16-bit dots with float32 accumulation, keeping ~16 bits of ``p`` (float32-level accuracy)
   on tensor cores.
 
+Sliding window and soft-capping (optional, e.g. Mistral / Gemma 2):
+
+* ``window`` (a traced ``i32[]`` W >= 1, e.g. scanned over layers, so one compiled kernel
+  serves every layer): the query at position ``p = context_len - 1`` sees only the keys at
+  ``p - W < k <= p``, the W most recent positions (HF transformers' ``kv_idx > q_idx -
+  sliding_window``). It enters the kernel as an ``i32[1]`` operand beside the layer index. The
+  windowed kernel splits only the visible block range ``[(context_len - W) // block_size,
+  cdiv(context_len, block_size))``, evenly over the ``num_splits`` programs, so it never reads
+  block-table entries before the window (the block manager may have freed those blocks and
+  nulled their entries) and no split does work outside it; keys of the first visible block
+  that are before the window are masked like tokens past the context. ``window=None`` compiles
+  none of this: the kernel above, unchanged.
+* ``softcap`` (a static float c > 0): each scaled score ``s`` becomes ``c * tanh(s / c)``
+  before masking and softmax (Gemma 2's ``attn_logit_softcapping``).
+
 A context length of 0 yields zeros (handy for padded batch rows); valid contexts are >= 1.
 """
 
@@ -62,10 +77,20 @@ def _f32_dot_precision(interpret: bool):
     return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
-def _kernel(
+def _kernel(*refs, windowed: bool, **kwargs):
+    """Unpacks the operands: the window operand (``i32[1]``) exists only when ``windowed``."""
+    if windowed:
+        layer_ref, window_ref, *rest = refs
+    else:
+        (layer_ref, *rest), window_ref = refs, None
+    _attention_kernel(layer_ref, window_ref, *rest, **kwargs)
+
+
+def _attention_kernel(
     # inputs
     layer_ref,  # i32[1]
-    block_tables_ref,  # i32[batch, num_splits * blocks_per_split]
+    window_ref,  # i32[1] (the window W) or None (no window)
+    block_tables_ref,  # i32[batch, padded columns] (see paged_attention)
     context_lens_ref,  # i32[batch]
     q_ref,  # [rows, head_dim] (this sequence and KV head)
     kv_ref,  # [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim] (whole pool)
@@ -75,8 +100,10 @@ def _kernel(
     l_ref,  # f32[rows]
     *,
     scale: float,
+    softcap: float | None,
     blocks_per_iter: int,
     blocks_per_split: int,
+    num_splits: int,
     f32_dot,
 ):
     seq = pl.program_id(0)
@@ -92,9 +119,26 @@ def _kernel(
     context_len = context_lens_ref[seq]
     q = q_ref[...]  # [rows, head_dim]
 
-    first_block = split * blocks_per_split
     num_ctx_blocks = (context_len + block_size - 1) // block_size
-    end_block = jnp.minimum(first_block + blocks_per_split, num_ctx_blocks)
+    if window_ref is None:
+        # Static splits of the block table; splits past the context do no work.
+        first_block = split * blocks_per_split
+        end_block = jnp.minimum(first_block + blocks_per_split, num_ctx_blocks)
+        window_start = None
+    else:
+        # The visible positions are [window_start, context_len): the query (at context_len - 1)
+        # and the W - 1 before it. Only the blocks holding them are split (evenly, in whole
+        # iterations, from the first visible block), so no split reads the table before the
+        # window, and splits past the visible range do no work. An iteration may run past the
+        # visible range only at its end (past the context: masked, and the table is padded).
+        window_start = jnp.maximum(context_len - window_ref[0], 0)
+        lo_block = window_start // block_size
+        visible_blocks = jnp.maximum(num_ctx_blocks - lo_block, 0)
+        split_iters = (visible_blocks + num_splits * blocks_per_iter - 1) // (
+            num_splits * blocks_per_iter
+        )
+        first_block = lo_block + split * split_iters * blocks_per_iter
+        end_block = jnp.minimum(first_block + split_iters * blocks_per_iter, num_ctx_blocks)
     num_iters = jnp.maximum(end_block - first_block + blocks_per_iter - 1, 0) // blocks_per_iter
 
     def body(i, carry):
@@ -110,6 +154,8 @@ def _kernel(
             v = kv_ref[layer, block_ids, 1, :, kv_head, :].reshape(tile, head_dim)
         positions = start * block_size + lax.broadcasted_iota(jnp.int32, (tile,), 0)
         valid = positions < context_len  # [tile]
+        if window_start is not None:
+            valid = valid & (positions >= window_start)
 
         if q.dtype == kv_dtype:  # exact products, float32 accumulation
             s = lax.dot_general(
@@ -121,7 +167,11 @@ def _kernel(
                 q.astype(jnp.float32), k.astype(jnp.float32), (((1,), (1,)), ((), ())),
                 precision=f32_dot, preferred_element_type=jnp.float32,
             )
-        s = jnp.where(valid[None, :], s * scale, -jnp.inf)
+        if softcap is None:
+            s = s * scale
+        else:  # c * tanh(scale * s / c)
+            s = softcap * jnp.tanh(s * (scale / softcap))
+        s = jnp.where(valid[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)  # 0 on the first iteration (m = -inf, m_new finite)
         p = jnp.exp(s - m_new[:, None])  # masked tokens: exp(-inf) = 0
@@ -162,9 +212,21 @@ def _default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, per_iter
     return max(1, min(wanted, most))
 
 
-def _validate(q, kv_cache, block_tables, context_lens, layer, blocks_per_iter, interpret):
+def _check_window_softcap(window, softcap, *, what: str) -> None:
+    if window is not None and (
+        jnp.shape(window) != () or not jnp.issubdtype(jnp.result_type(window), jnp.integer)
+    ):
+        raise ValueError(f"{what}: window must be None or an integer scalar; got {window!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"{what}: softcap must be None or a positive Python float; got {softcap!r}")
+
+
+def _validate(
+    q, kv_cache, block_tables, context_lens, layer, window, softcap, blocks_per_iter, interpret
+):
     what = "paged_attention"
     check_pool(kv_cache, layer, what=what)
+    _check_window_softcap(window, softcap, what=what)
     block_size, num_kv_heads, head_dim = kv_cache.shape[-3:]
     if q.ndim != 3:
         raise ValueError(f"{what}: q must be [batch, num_heads, head_dim]; got q {describe(q)}")
@@ -212,6 +274,7 @@ def _validate(q, kv_cache, block_tables, context_lens, layer, blocks_per_iter, i
     jax.jit,
     static_argnames=(
         "scale",
+        "softcap",
         "interpret",
         "blocks_per_iter",
         "num_splits",
@@ -227,6 +290,8 @@ def paged_attention(
     *,
     scale: float,
     layer: jax.Array | int | None = None,
+    window: jax.Array | int | None = None,
+    softcap: float | None = None,
     interpret: bool = False,
     blocks_per_iter: int | None = None,
     num_splits: int | None = None,
@@ -252,6 +317,12 @@ def paged_attention(
         block_size``. A length of 0 gives zeros.
       scale: softmax scale (a Python float), usually ``head_dim ** -0.5``.
       layer: ``i32[]`` (may be traced), the layer of a stacked pool. Not bounds-checked.
+      window: ``None`` (every position in context is visible) or ``i32[]`` W >= 1 (may be
+        traced: one compiled kernel serves every W): the sliding window, the query (at
+        ``context_len - 1``) sees only the last W positions of its context. Block-table
+        entries before the window's first block are never read (they may be the null block).
+      softcap: ``None`` or a Python float c > 0: scaled scores ``s`` become
+        ``c * tanh(s / c)`` before masking and softmax (logit soft-capping).
       interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
       blocks_per_iter: blocks per loop iteration (power of two); default: ~64 tokens.
       num_splits: context splits (split-K); default: enough programs to fill the GPU.
@@ -260,7 +331,9 @@ def paged_attention(
     Returns:
       ``f[batch, num_heads, head_dim]`` in the dtype of ``q``.
     """
-    _validate(q, kv_cache, block_tables, context_lens, layer, blocks_per_iter, interpret)
+    _validate(
+        q, kv_cache, block_tables, context_lens, layer, window, softcap, blocks_per_iter, interpret
+    )
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[-3], kv_cache.shape[-2]
     q_per_kv = num_heads // num_kv_heads
@@ -270,7 +343,10 @@ def paged_attention(
     splits = num_splits or _default_num_splits(batch, num_kv_heads, max_blocks, per_iter)
     splits = max(1, min(splits, -(-max_blocks // per_iter)))
     blocks_per_split = -(-max_blocks // (splits * per_iter)) * per_iter
-    padded_blocks = splits * blocks_per_split
+    if window is None:  # static splits: iterations read whole, aligned slices of the table
+        padded_blocks = splits * blocks_per_split
+    else:  # iterations start at the window's first block: the last may run per_iter - 1 past
+        padded_blocks = max_blocks + per_iter - 1
     if padded_blocks > max_blocks:  # a small copy of the table, never of the pool
         block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_blocks - max_blocks)))
 
@@ -281,11 +357,18 @@ def paged_attention(
 
     kv6, layer_arr = stacked(kv_cache, layer)
 
+    scalars = [layer_arr]  # i32[1] operands: the layer, then the window (if any)
+    if window is not None:
+        scalars.append(jnp.asarray(window, jnp.int32).reshape(1))
+
     kernel = functools.partial(
         _kernel,
+        windowed=window is not None,
         scale=float(scale),
+        softcap=None if softcap is None else float(softcap),
         blocks_per_iter=per_iter,
         blocks_per_split=blocks_per_split,
+        num_splits=splits,
         f32_dot=_f32_dot_precision(interpret),
     )
     whole = _compat.WHOLE_ARRAY
@@ -293,7 +376,7 @@ def paged_attention(
         kernel,
         grid=(batch, num_kv_heads, splits),
         in_specs=[
-            whole,  # layer
+            *[whole] * len(scalars),  # layer (and window)
             whole,  # block_tables
             whole,  # context_lens
             pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
@@ -312,7 +395,7 @@ def paged_attention(
         compiler_params=_compat.compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_attention",
-    )(layer_arr, block_tables, context_lens, q4, kv6)
+    )(*scalars, block_tables, context_lens, q4, kv6)
 
     acc = acc[:, :, :, :q_per_kv]
     m = m[:, :, :, :q_per_kv]
@@ -331,7 +414,7 @@ def _merge_splits(acc, m, l):
     return numer / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap"))
 def paged_attention_reference(
     q: jax.Array,
     kv_cache: jax.Array,
@@ -340,13 +423,18 @@ def paged_attention_reference(
     *,
     scale: float,
     layer: jax.Array | int | None = None,
+    window: jax.Array | int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Plain-``jnp`` paged attention: gather each sequence's blocks, mask, softmax (float32).
 
     Same arguments and result as :func:`paged_attention`. Gathers a contiguous copy of every
-    sequence's context, so it is for testing, not for serving.
+    sequence's context (the whole block table, before the window too: any block id there must
+    be in range), so it is for testing, not for serving.
     """
-    check_pool(kv_cache, layer, what="paged_attention_reference")
+    what = "paged_attention_reference"
+    check_pool(kv_cache, layer, what=what)
+    _check_window_softcap(window, softcap, what=what)
     batch, num_heads, head_dim = q.shape
     if layer is not None:
         kv_cache = kv_cache[layer]
@@ -358,11 +446,16 @@ def paged_attention_reference(
     kv = kv_cache[block_tables]  # [batch, max_blocks, 2, block_size, num_kv_heads, head_dim]
     k = kv[:, :, 0].reshape(batch, seq_len, num_kv_heads, head_dim)
     v = kv[:, :, 1].reshape(batch, seq_len, num_kv_heads, head_dim)
-    valid = jnp.arange(seq_len)[None, :] < context_lens[:, None]  # [batch, seq_len]
+    positions = jnp.arange(seq_len)[None, :]
+    valid = positions < context_lens[:, None]  # [batch, seq_len]
+    if window is not None:  # the query is at context_len - 1: keys k > context_len - 1 - W
+        valid = valid & (positions > context_lens[:, None] - 1 - window)
     k = jnp.where(valid[:, :, None, None], k, 0).astype(jnp.float32)
     v = jnp.where(valid[:, :, None, None], v, 0).astype(jnp.float32)
     qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, q_per_kv, head_dim)
     s = jnp.einsum("bhgd,bshd->bhgs", qg, k, precision=lax.Precision.HIGHEST) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
     s_max = jnp.max(s, axis=-1, keepdims=True)
     s_max = jnp.where(jnp.isfinite(s_max), s_max, 0.0)

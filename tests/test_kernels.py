@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from bench import triton_check
+from pallas_kernels import _compat
 from pallas_kernels import (
     copy_blocks,
     copy_blocks_reference,
@@ -107,10 +108,13 @@ def make_attention_case(
     )
 
 
-def numpy_dense_attention(q, kv_cache, block_tables, context_lens, *, scale, layer=None):
+def numpy_dense_attention(q, kv_cache, block_tables, context_lens, *, scale, layer=None,
+                          window=None, softcap=None):
     """Independent float64 attention: walk each block table, concatenate, softmax.
 
     Block ``b``'s K is ``kv_cache[b, 0]`` and its V ``kv_cache[b, 1]`` (of the layer's pool).
+    With ``window`` W the query (at ``ctx - 1``) sees positions ``max(ctx - W, 0) .. ctx - 1``
+    only, and only their blocks are walked; ``softcap`` c maps scores ``s -> c * tanh(s / c)``.
     """
     q = np.asarray(q, np.float64)
     if layer is not None:
@@ -123,12 +127,17 @@ def numpy_dense_attention(q, kv_cache, block_tables, context_lens, *, scale, lay
         ctx = int(context_lens[b])
         if ctx == 0:
             continue
-        blocks = [block_tables[b, i] for i in range(cdiv(ctx, block_size))]
-        k = np.concatenate([kv_cache[i, 0] for i in blocks])[:ctx].astype(np.float64)
-        v = np.concatenate([kv_cache[i, 1] for i in blocks])[:ctx].astype(np.float64)
+        lo = 0 if window is None else max(ctx - int(window), 0)  # first visible position
+        first = lo // block_size
+        blocks = [block_tables[b, i] for i in range(first, cdiv(ctx, block_size))]
+        span = slice(lo - first * block_size, ctx - first * block_size)
+        k = np.concatenate([kv_cache[i, 0] for i in blocks])[span].astype(np.float64)
+        v = np.concatenate([kv_cache[i, 1] for i in blocks])[span].astype(np.float64)
         for h in range(num_heads):
             kv = h // group
             scores = k[:, kv, :] @ q[b, h] * scale
+            if softcap is not None:
+                scores = softcap * np.tanh(scores / softcap)
             w = np.exp(scores - scores.max())
             out[b, h] = (w / w.sum()) @ v[:, kv, :]
     return out
@@ -144,22 +153,24 @@ def assert_close(actual, expected, dtype, what: str):
         np.testing.assert_allclose(actual, expected, rtol=2**-7, atol=1e-3, err_msg=what)
 
 
-def run_attention(case, dtype, *, scale, layer=None, **kwargs):
+def run_attention(case, dtype, *, scale, layer=None, window=None, softcap=None, **kwargs):
     args = [jnp.asarray(case["q"], dtype), jnp.asarray(case["kv_cache"], dtype),
             jnp.asarray(case["block_tables"]), jnp.asarray(case["context_lens"])]
-    out = paged_attention(*args, scale=scale, layer=layer, interpret=True, **kwargs)
-    ref = paged_attention_reference(*args, scale=scale, layer=layer)
+    opts = dict(scale=scale, layer=layer, window=window, softcap=softcap)
+    out = paged_attention(*args, interpret=True, **opts, **kwargs)
+    ref = paged_attention_reference(*args, **opts)
     assert out.shape == case["q"].shape and out.dtype == dtype
     assert ref.shape == case["q"].shape and ref.dtype == dtype
     return out, ref
 
 
-def check_attention(case, dtype, *, layer=None, **kwargs):
+def check_attention(case, dtype, *, layer=None, window=None, softcap=None, **kwargs):
     scale = case["q"].shape[-1] ** -0.5
-    out, ref = run_attention(case, dtype, scale=scale, layer=layer, **kwargs)
+    out, ref = run_attention(case, dtype, scale=scale, layer=layer, window=window,
+                             softcap=softcap, **kwargs)
     dense = numpy_dense_attention(
         case["q"], case["kv_cache"], case["block_tables"], case["context_lens"],
-        scale=scale, layer=layer,
+        scale=scale, layer=layer, window=window, softcap=softcap,
     )
     assert_close(ref, dense, dtype, "reference vs numpy dense")
     assert_close(out, dense, dtype, "kernel vs numpy dense")
@@ -313,6 +324,144 @@ def test_paged_attention_rejects_bad_shapes():
         paged_attention(q, jnp.zeros((10, 16, 2, 64)), bt, cl, scale=1.0, interpret=True)
     with pytest.raises(ValueError, match=r"K/V axis and must have size 2.*f32\[10,3,16,2,64\]"):
         paged_attention(q, jnp.zeros((10, 3, 16, 2, 64)), bt, cl, scale=1.0, interpret=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# paged attention: sliding window and logit soft-capping
+
+WINDOW_CONTEXTS = [1, 7, 8, 9, 20, 37, 64]  # block size 8: within, at and across block edges
+HUGE_WINDOW = 1 << 30  # what a model passes for its unwindowed layers
+
+
+def make_window_case(rng, *, window: int, block_size: int = 8, context_lens=WINDOW_CONTEXTS,
+                     **kwargs):
+    """A one-layer case as the block manager leaves it under a sliding window: every block
+    wholly before a sequence's window is freed (its table entries become the null block 0,
+    which holds NaN) and reused (NaN too). The first visible block keeps its stale keys before
+    the window (real values): only the mask hides them."""
+    case = make_attention_case(rng, block_size=block_size, context_lens=context_lens,
+                               poison="nan", **kwargs)
+    kv, tables = case["kv_cache"], case["block_tables"]
+    kv[0] = np.nan
+    for b, ctx in enumerate(context_lens):
+        first = max(ctx - window, 0) // block_size
+        kv[tables[b, :first]] = np.nan
+        tables[b, :first] = 0
+    return case
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["no-cap", "cap"])
+@pytest.mark.parametrize("window", [1, 5, 8, 20, 37, 1000])
+def test_paged_attention_window_float32(window, softcap):
+    """Windows of one token, within a block, of exactly a block, spanning several blocks, equal
+    to a context, past every context; GQA groups of 3 (padded to 16 rows)."""
+    rng = np.random.default_rng(window)
+    case = make_window_case(rng, window=window, q_per_kv=3, head_dim=32, dtype=jnp.float32)
+    check_attention(case, jnp.float32, window=jnp.int32(window), softcap=softcap)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["no-cap", "cap"])
+@pytest.mark.parametrize("window,q_per_kv", [(5, 1), (20, 4), (1000, 2)])
+def test_paged_attention_window_bfloat16(window, q_per_kv, softcap):
+    rng = np.random.default_rng(100 + window)
+    case = make_window_case(rng, window=window, q_per_kv=q_per_kv, head_dim=32,
+                            dtype=jnp.bfloat16)
+    check_attention(case, jnp.bfloat16, window=jnp.int32(window), softcap=softcap)
+
+
+@pytest.mark.parametrize(
+    "blocks_per_iter,num_splits", [(2, 1), (4, 3), (1, 7), (2, 64)],
+    ids=["two-blocks-no-split", "four-blocks-3-splits", "one-block-7-splits", "splits-capped"],
+)
+@pytest.mark.parametrize("window", [5, 20, 90])
+def test_paged_attention_window_tiling(window, blocks_per_iter, num_splits):
+    """Iterations of several blocks start at the window's first block, wherever it falls, and
+    the longest sequence fills its table (no padding columns): the last iteration runs past
+    the table's end (the kernel pads the table) and past the context (masked)."""
+    rng = np.random.default_rng(7 * window + num_splits)
+    case = make_window_case(rng, window=window, context_lens=[3, 30, 41, 120, 128], q_per_kv=2,
+                            head_dim=32, dtype=jnp.float32, pad_columns=0, block_size=8)
+    check_attention(case, jnp.float32, window=jnp.int32(window), softcap=3.0,
+                    blocks_per_iter=blocks_per_iter, num_splits=num_splits)
+
+
+def test_paged_attention_window_is_traced_not_static():
+    """One compiled kernel serves every window (it comes from a per-layer array)."""
+    rng = np.random.default_rng(51)
+    case = make_window_case(rng, window=1000, context_lens=[9, 30], q_per_kv=1, head_dim=16,
+                            dtype=jnp.float32)
+    args = [jnp.asarray(case[n]) for n in ("q", "kv_cache", "block_tables", "context_lens")]
+    paged_attention(*args, scale=0.25, window=jnp.int32(3), interpret=True)
+    compiled = paged_attention._cache_size()
+    for w in (4, 17, 1000):
+        out = paged_attention(*args, scale=0.25, window=jnp.int32(w), interpret=True)
+        dense = numpy_dense_attention(*(case[n] for n in ("q", "kv_cache", "block_tables",
+                                                          "context_lens")), scale=0.25, window=w)
+        assert_close(out, dense, jnp.float32, f"window {w}")
+    assert paged_attention._cache_size() == compiled
+
+
+def test_paged_attention_window_in_layer_scan():
+    """The engine's pattern for a model mixing windowed and global layers: the windows are a
+    per-layer array scanned with the layer index; the huge window is the global layer."""
+    rng = np.random.default_rng(52)
+    num_layers, block_size = 2, 8
+    case = make_attention_case(
+        rng, block_size=block_size, q_per_kv=2, head_dim=32, context_lens=[9, 3, 30],
+        dtype=jnp.float32, num_layers=num_layers, layer=0,
+    )
+    pool = case["kv_cache"].copy()
+    pool[1, :, 0], pool[1, :, 1] = 2 * pool[0, :, 0], -pool[0, :, 1]
+    bt, cl, q = (jnp.asarray(case[n]) for n in ("block_tables", "context_lens", "q"))
+    windows = np.array([6, HUGE_WINDOW], np.int32)
+
+    @jax.jit
+    def all_layers(pool):
+        def step(pool, xs):
+            layer, window = xs
+            out = paged_attention(q, pool, bt, cl, scale=0.25, layer=layer, window=window,
+                                  softcap=2.5, interpret=True)
+            return pool, out
+
+        return jax.lax.scan(step, pool, (jnp.arange(num_layers, dtype=jnp.int32), windows))
+
+    _, outs = all_layers(jnp.asarray(pool))
+    for layer in range(num_layers):
+        dense = numpy_dense_attention(
+            case["q"], pool, case["block_tables"], case["context_lens"], scale=0.25,
+            layer=layer, window=int(windows[layer]), softcap=2.5,
+        )
+        assert_close(outs[layer], dense, jnp.float32, f"layer {layer}")
+    # the huge window is no window at all
+    unwindowed = numpy_dense_attention(case["q"], pool, case["block_tables"],
+                                       case["context_lens"], scale=0.25, layer=1, softcap=2.5)
+    assert_close(outs[1], unwindowed, jnp.float32, "huge window")
+
+
+def test_paged_attention_window_and_softcap_change_the_result():
+    """Guards the tests above against a no-op: the window and the cap each change the output."""
+    rng = np.random.default_rng(53)
+    case = make_attention_case(rng, block_size=8, q_per_kv=1, head_dim=16, context_lens=[30],
+                               dtype=jnp.float32)
+    base, _ = run_attention(case, jnp.float32, scale=1.0)
+    windowed, _ = run_attention(case, jnp.float32, scale=1.0, window=jnp.int32(29))
+    capped, _ = run_attention(case, jnp.float32, scale=1.0, softcap=1.0)
+    assert np.abs(np.asarray(base) - np.asarray(windowed)).max() > 1e-3
+    assert np.abs(np.asarray(base) - np.asarray(capped)).max() > 1e-3
+
+
+def test_paged_attention_rejects_bad_window_and_softcap():
+    q = jnp.zeros((2, 4, 16), jnp.float32)
+    pool = jnp.zeros((10, 2, 8, 2, 16), jnp.float32)
+    bt = jnp.zeros((2, 4), jnp.int32)
+    cl = jnp.ones((2,), jnp.int32)
+    for fn in (functools.partial(paged_attention, interpret=True), paged_attention_reference):
+        with pytest.raises(ValueError, match="window must be None or an integer scalar"):
+            fn(q, pool, bt, cl, scale=1.0, window=jnp.ones((2,), jnp.int32))
+        with pytest.raises(ValueError, match="window must be None or an integer scalar"):
+            fn(q, pool, bt, cl, scale=1.0, window=jnp.float32(4.0))
+        with pytest.raises(ValueError, match="softcap must be None or a positive"):
+            fn(q, pool, bt, cl, scale=1.0, softcap=0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -519,6 +668,34 @@ def test_kernels_lower_to_triton(num_heads, num_kv_heads, head_dim, block_size, 
     assert "output_operand_aliases" in text
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_windowed_softcapped_attention_lowers_to_triton(dtype):
+    spec = jax.ShapeDtypeStruct
+    pool = spec((4, 64, 2, 16, 3, 64), dtype)
+    attention = functools.partial(paged_attention, scale=0.125, softcap=50.0)
+    _lower_or_skip(attention, spec((8, 9, 64), dtype), pool, spec((8, 16), jnp.int32),
+                   spec((8,), jnp.int32), layer=spec((), jnp.int32), window=spec((), jnp.int32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_windowed_softcapped_attention_compiles_for_sm90_without_spills(dtype):
+    """Like tests/test_kernels_triton.py (jax >= 0.11 and the `triton` package, else skipped),
+    for the windowed, soft-capped kernel at the bench's larger head configuration."""
+    pytest.importorskip("triton")
+    if _compat.JAX_VERSION < (0, 11):
+        pytest.skip("the GPU machines run jax 0.11; its Triton IR is what matters")
+    spec = jax.ShapeDtypeStruct
+    attention = functools.partial(paged_attention, scale=128**-0.5, softcap=50.0)
+    [module] = triton_check.triton_modules(
+        attention, spec((32, 32, 128), dtype), spec((30, 4096, 2, 16, 8, 128), dtype),
+        spec((32, 256), jnp.int32), spec((32,), jnp.int32), layer=spec((), jnp.int32),
+        window=spec((), jnp.int32),
+    )
+    stats = triton_check.compile_for_sm90(module)
+    assert stats["mma_instructions"] > 0, stats
+    assert stats.get("spill_bytes", 0) == 0, stats
+
+
 # ---------------------------------------------------------------------------------------------
 # the references themselves, on their own (so they can fail independently of the kernels)
 
@@ -548,3 +725,15 @@ def test_references_against_numpy():
     pairs = np.array([[1, 4], [2, 3]], np.int32)
     assert_pools_equal(copy_blocks_reference(kv_cache, pairs), numpy_copy_blocks(kv_cache, pairs),
                        skip_null_block=False, stacked=True)
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 6, 100])
+def test_windowed_reference_against_numpy(window):
+    rng = np.random.default_rng(60 + window)
+    case = make_window_case(rng, window=window, block_size=4, context_lens=[1, 4, 9, 13],
+                            q_per_kv=2, head_dim=8, dtype=jnp.float32)
+    args = [case[n] for n in ("q", "kv_cache", "block_tables", "context_lens")]
+    for softcap in (None, 0.7):
+        ref = paged_attention_reference(*args, scale=0.6, window=window, softcap=softcap)
+        dense = numpy_dense_attention(*args, scale=0.6, window=window, softcap=softcap)
+        assert_close(ref, dense, jnp.float32, f"reference, window {window}, softcap {softcap}")

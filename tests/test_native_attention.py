@@ -2,7 +2,9 @@
 float64 numpy reference, in every variant this machine built and runs (AVX-512, AVX2, portable):
 contexts 0, 1, 15, 16, 17 and 1003 tokens, one and several query tokens per row (causal within the
 row), permuted block tables, NaN and 1e30 poison in every slot no row may read, float32, float16
-and bfloat16 pools. Then the engine: greedy tokens equal the XLA path's; 'auto' picks the kernel;
+and bfloat16 pools; sliding windows (1 token to longer than the context, traced) over block tables
+whose entries before the window are the NaN-filled null block or not a block at all, and logit
+soft-capping. Then the engine: greedy tokens equal the XLA path's; 'auto' picks the kernel;
 and without a built kernel (as on a machine with no compiler) 'auto' falls back to XLA, saying so.
 """
 
@@ -31,16 +33,17 @@ LAYERS, BLOCK, KV_HEADS, GROUP = 2, 16, 3, 3
 ROWS = [(0, 1), (14, 1), (15, 1), (16, 1), (1002, 1), (0, 15), (0, 17), (16, 1), (980, 23), (0, 0)]
 
 
-def make_problem(head_dim, dtype, rng):
-    """Pools poisoned outside the rows' slots, rows over permuted blocks, queries, and the operands."""
-    num_blocks = 1 + sum(-(-(c + n) // BLOCK) for c, n in ROWS) + 5  # + unused blocks
+def make_problem(head_dim, dtype, rng, rows=ROWS):
+    """Pools poisoned outside the rows' slots (the null block 0: NaN throughout), rows over permuted
+    blocks, queries, and the operands."""
+    num_blocks = 1 + sum(-(-(c + n) // BLOCK) for c, n in rows) + 5  # + unused blocks
     shape = (LAYERS, num_blocks, BLOCK, KV_HEADS, head_dim)
     k = rng.standard_normal(shape).astype(np.float32)
     v = rng.standard_normal(shape).astype(np.float32)
     readable = np.zeros((num_blocks, BLOCK), bool)
     free = list(rng.permutation(np.arange(1, num_blocks)))
     tables, contexts = [], []
-    for cached, new in ROWS:
+    for cached, new in rows:
         context = cached + new
         table = [int(free.pop()) for _ in range(-(-context // BLOCK))]
         for p in range(context):
@@ -48,6 +51,7 @@ def make_problem(head_dim, dtype, rng):
         tables.append(table)
         contexts.append(context)
     poison = np.where(rng.random(shape) < 0.5, np.nan, 1e30).astype(np.float32)
+    poison[:, 0] = np.nan
     k = np.where(readable[None, :, :, None, None], k, poison)
     v = np.where(readable[None, :, :, None, None], v, poison)
     k, v = (jnp.asarray(x).astype(dtype) for x in (k, v))
@@ -55,33 +59,33 @@ def make_problem(head_dim, dtype, rng):
         k, v = (jax.lax.bitcast_convert_type(x, storage_dtype(dtype)) for x in (k, v))
     pool = jnp.stack([k, v], axis=2)  # the engine's layout: a block's K and V side by side
     width = max(len(t) for t in tables)
-    table_arr = np.zeros((len(ROWS), width), np.int32)
+    table_arr = np.zeros((len(rows), width), np.int32)
     for b, t in enumerate(tables):
         table_arr[b, :len(t)] = t
-    q_len = np.array([n for _, n in ROWS], np.int32)
+    q_len = np.array([n for _, n in rows], np.int32)
     q_start = np.concatenate([[0], np.cumsum(q_len)[:-1]]).astype(np.int32)
     num_tokens = int(q_len.sum()) + 3  # + padding tokens no row claims
     q = rng.standard_normal((num_tokens, KV_HEADS * GROUP, head_dim)).astype(np.float32)
     return q, pool, table_arr, np.array(contexts, np.int32), q_start, q_len
 
 
-def reference(q, pool, layer, tables, contexts, q_start, q_len, scale):
-    """float64 softmax attention over each row's readable keys, causal within the row; unclaimed tokens 0."""
+def reference(q, pool, layer, tables, contexts, q_start, q_len, scale, window=None, softcap=None):
+    """float64 softmax attention over each row's readable keys, causal within the row, the token at
+    position p seeing keys p - window < k <= p, scores soft-capped; unclaimed tokens 0."""
     k64, v64 = (np.asarray(pool_as_float(pool), np.float64)[layer, :, half] for half in (0, 1))
     out = np.zeros(q.shape)
     for b in range(len(contexts)):
-        context = contexts[b]
-        if context == 0:  # a padding row: nothing to attend to
-            continue
-        slots = [(tables[b, p // BLOCK], p % BLOCK) for p in range(context)]
-        keys = np.array([k64[blk, off] for blk, off in slots]).reshape(context, KV_HEADS, -1)
-        values = np.array([v64[blk, off] for blk, off in slots]).reshape(context, KV_HEADS, -1)
         for i in range(q_len[b]):
-            pos = context - q_len[b] + i
+            pos = contexts[b] - q_len[b] + i
+            seen = np.arange(0 if window is None else max(0, pos - window + 1), pos + 1)
+            blocks, offsets = tables[b, seen // BLOCK], seen % BLOCK
+            keys, values = k64[blocks, offsets], v64[blocks, offsets]  # [keys, KV_HEADS, D]
             for head in range(q.shape[1]):
-                s = keys[:pos + 1, head // GROUP] @ q[q_start[b] + i, head].astype(np.float64) * scale
+                s = keys[:, head // GROUP] @ q[q_start[b] + i, head].astype(np.float64) * scale
+                if softcap is not None:
+                    s = softcap * np.tanh(s / softcap)
                 p = np.exp(s - s.max())
-                out[q_start[b] + i, head] = (p / p.sum()) @ values[:pos + 1, head // GROUP]
+                out[q_start[b] + i, head] = (p / p.sum()) @ values[:, head // GROUP]
     return out
 
 
@@ -123,6 +127,80 @@ def test_kernel_under_jit_and_scan_reads_the_traced_layer():
     for layer in range(LAYERS):
         np.testing.assert_allclose(got[layer], reference(q, pool, layer, tables, contexts, q_start, q_len, 0.125),
                                    rtol=2e-5, atol=2e-5)
+
+
+# windowed rows: decodes at contexts 1 .. 200, prompts with and without cached context (the last:
+# three query chunks of 16, 16 and 5 tokens), a padding row
+WINDOW_ROWS = [(0, 1), (4, 1), (15, 1), (31, 1), (47, 1), (200, 1), (0, 20), (13, 20), (60, 37), (0, 0)]
+# smaller than a block, one block, several blocks, longer than any context; one token; none
+WINDOWS = (5, 16, 40, 1000, 1, None)
+
+
+def forget_before_window(tables, contexts, q_len, window, null):
+    """The block tables as the block manager leaves them under `window`: each row's entries wholly
+    before its first new token's window replaced by `null` (0: the null block)."""
+    tables = tables.copy()
+    for b in range(len(contexts)):
+        earliest = contexts[b] - q_len[b] - window + 1  # the first new token's first visible position
+        tables[b, :max(0, earliest) // BLOCK] = null
+    return tables
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,head_dim", [(jnp.float32, 64), (jnp.bfloat16, 64), (jnp.float16, 128),
+                                            (jnp.float32, 24), (jnp.float16, 24)])
+def test_window_and_softcap_match_float64_reference(dtype, head_dim):
+    """Every window x softcap on/off x variant; the table entries before each row's window are the
+    NaN-filled null block, and then (same answer) a block id outside the pool: never looked up."""
+    rng = np.random.default_rng(10 + head_dim)
+    q, pool, tables, contexts, q_start, q_len = make_problem(head_dim, dtype, rng, WINDOW_ROWS)
+    q *= 3  # scores up to about +-10: soft-capping at 2 changes them a lot
+    scale, layer = head_dim ** -0.5, 1
+    forgotten = 0
+    for window in WINDOWS:
+        cut = tables if window is None else forget_before_window(tables, contexts, q_len, window, 0)
+        outside = tables if window is None else forget_before_window(tables, contexts, q_len, window,
+                                                                     pool.shape[1] + 7)
+        forgotten += int((cut != tables).sum())
+        for softcap in (None, 2.0):
+            want = reference(q, pool, layer, cut, contexts, q_start, q_len, scale, window, softcap)
+            for variant in VARIANTS:
+                for table in (cut, outside):
+                    got = np.asarray(native.native_attend(q, pool, layer, table, contexts, q_start, q_len,
+                                                          scale, window=window, softcap=softcap,
+                                                          variant=variant))
+                    assert np.isfinite(got).all(), (window, softcap, variant)
+                    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5,
+                                               err_msg=f"window {window} softcap {softcap} {variant}")
+    assert forgotten > 20  # the null block stood in for many blocks
+    # the reference itself: windows and the cap change the answer
+    plain = reference(q, pool, layer, tables, contexts, q_start, q_len, scale)
+    assert np.abs(reference(q, pool, layer, tables, contexts, q_start, q_len, scale, 40) - plain).max() > 0.1
+    assert np.abs(reference(q, pool, layer, tables, contexts, q_start, q_len, scale, None, 2.0) - plain).max() > 0.1
+
+
+@needs_native
+def test_traced_per_layer_window_under_jit_and_scan():
+    """As in a model with windowed and global layers: the window scanned over layers with the layer
+    index (1 << 30 for the global one), traced, under jit; the block tables keep every block."""
+    rng = np.random.default_rng(11)
+    q, pool, tables, contexts, q_start, q_len = make_problem(64, jnp.bfloat16, rng, WINDOW_ROWS)
+    windows = jnp.array([24, 1 << 30], jnp.int32)
+
+    @jax.jit
+    def every_layer(q, pool, windows):
+        def body(_, xs):
+            layer, window = xs
+            return None, native.native_attend(q, pool, layer, tables, contexts, q_start, q_len, 0.125,
+                                              window=window, softcap=30.0)
+        return jax.lax.scan(body, None, (jnp.arange(LAYERS, dtype=jnp.int32), windows))[1]
+
+    got = np.asarray(every_layer(q, pool, windows))
+    for layer, window in enumerate((24, None)):
+        want = reference(q, pool, layer, tables, contexts, q_start, q_len, 0.125, window, 30.0)
+        np.testing.assert_allclose(got[layer], want, rtol=2e-5, atol=2e-5)
+    with pytest.raises(Exception, match="window must be"):
+        jax.block_until_ready(every_layer(q, pool, jnp.array([0, 5], jnp.int32)))
 
 
 @needs_native

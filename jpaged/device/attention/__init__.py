@@ -5,9 +5,9 @@ the stacked pool `kv f[num_layers, num_blocks, 2, block_size, num_kv_heads, head
 at index 0 of axis 2, its V at 1: `jpaged.device.kv_cache`) and a traced `layer` index (a layer is
 never sliced out of the pool: a slice is a copy):
 
-  write_kv(pool, layer, k, v, slot_mapping)   -> pool
-  attend(q, pool, layer, inputs, scale)       -> out
-  copy_blocks(pool, pairs)                     -> pool
+  write_kv(pool, layer, k, v, slot_mapping)                         -> pool
+  attend(q, pool, layer, inputs, scale, *, window=None, softcap=None) -> out
+  copy_blocks(pool, pairs)                                           -> pool
 
 A backend also says how it stores a pool of a given dtype (`storage_dtype`). The pool's dtype
 may be narrower than the compute dtype (`q`'s): a 16-bit pool under float32 compute on a CPU.
@@ -17,6 +17,15 @@ Query layout: `q f[N, num_heads, head_dim]`, the packed new tokens of a
 cached position <= p of that row. This one rule covers decode (one token per row), prefill and
 prefill on top of cached context (prefix caching, recompute). Every backend computes exact softmax
 attention; only the storage layout is paged.
+
+Attention options (every backend honours both; with None, no code for them is compiled):
+  window   None, or a traced i32[] W >= 1 (it rides in the layer scan: Gemma's layers differ):
+           the query at position p sees only the keys at p - W < k <= p (HF's sliding window:
+           W keys, its own included). A full layer of a model whose other layers are windowed
+           passes `xla.FULL_WINDOW`. Block-table entries wholly before a row's
+           window may be the null block (the block manager frees them): never read them.
+  softcap  None, or a static float c: scores s (already scaled) become c * tanh(s / c) before the
+           mask and the softmax (Gemma 2).
 
 Backends: `native` (`NativeBackend`: a C++ kernel through XLA's FFI that reads blocks in place, the
 CPU fast path where it was built), `xla` (`XLABackend`: plain XLA ops, on any device) and `pallas`
@@ -48,7 +57,7 @@ class AttentionBackend(Protocol):
 
     def write_kv(self, pool, layer, k, v, slot_mapping): ...
 
-    def attend(self, q, pool, layer, inputs, scale): ...
+    def attend(self, q, pool, layer, inputs, scale, *, window=None, softcap=None): ...
 
     def copy_blocks(self, pool, pairs): ...
 

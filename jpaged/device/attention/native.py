@@ -6,7 +6,10 @@ matmuls; the native kernel (`csrc/paged_attention.cc`) reads K/V blocks in place
 tables, with an online softmax per chunk of up to 16 query tokens of a row, on XLA's own intra-op
 threads. It serves decode and prefill (several query tokens per row, causal within the row) with
 the same code. Pools of float32, float16 and bfloat16 (stored as uint16 bit patterns, as the XLA
-backend stores them) are read natively and widened to float32; compute is float32.
+backend stores them) are read natively and widened to float32; compute is float32. A sliding
+window (a traced int32 operand, `FULL_WINDOW` when there is none) starts each row's reads at its
+first token's window, so that the block table entries before it are never looked up; logit
+soft-capping is a static attribute (0: none).
 
 Builds. `pip install` compiles the kernel three times (setup.py): `avx512`, `avx2` (with FMA and
 F16C) and `portable` (the compiler's baseline), each a shared library beside this module. At run
@@ -30,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.device.attention.xla import storage_dtype, xla_copy_blocks, xla_write_kv
+from jpaged.device.attention.xla import FULL_WINDOW, storage_dtype, xla_copy_blocks, xla_write_kv
 
 VARIANTS = ("avx512", "avx2", "portable")  # best first
 _HANDLER = "JpagedPagedAttention"
@@ -101,12 +104,21 @@ def row_queries(inputs):
 
 
 def native_attend(q, pool, layer, block_tables, context_lens, q_start, q_len, scale, *,
-                  variant: str = "auto"):
+                  window=None, softcap=None, variant: str = "auto"):
     """Paged attention by the native kernel (see `csrc/paged_attention.cc` for the operands):
-    q f[N, H, D] -> f[N, H, D], computed in float32."""
+    q f[N, H, D] -> f[N, H, D], computed in float32.
+
+    `window`: None (every cached key in context) or an int32 scalar W >= 1, traced or not: the token at
+    position p sees the keys at p - W < k <= p, and the kernel reads no block wholly before its row's
+    first token's window (those table entries may be the null block). `softcap`: None or a static
+    float c > 0: each scaled score s becomes c * tanh(s / c) before the mask and the softmax."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a float > 0 or None, not {softcap!r}")
+    window = jnp.asarray(FULL_WINDOW if window is None else window, jnp.int32)
     call = jax.ffi.ffi_call(target_name(variant), jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(q.astype(jnp.float32), pool, jnp.asarray(layer, jnp.int32), block_tables,
-               context_lens, q_start, q_len, scale=np.float32(scale))
+    out = call(q.astype(jnp.float32), pool, jnp.asarray(layer, jnp.int32), window, block_tables,
+               context_lens, q_start, q_len, scale=np.float32(scale),
+               softcap=np.float32(0.0 if softcap is None else softcap))
     return out.astype(q.dtype)
 
 
@@ -126,10 +138,10 @@ class NativeBackend:
     def write_kv(self, pool, layer, k, v, slot_mapping):
         return xla_write_kv(pool, layer, k, v, slot_mapping)
 
-    def attend(self, q, pool, layer, inputs, scale):
+    def attend(self, q, pool, layer, inputs, scale, *, window=None, softcap=None):
         q_start, q_len = row_queries(inputs)
         return native_attend(q, pool, layer, inputs.block_tables, inputs.context_lens, q_start, q_len, scale,
-                             variant=self.variant)
+                             window=window, softcap=softcap, variant=self.variant)
 
     def copy_blocks(self, pool, pairs):
         return xla_copy_blocks(pool, pairs)

@@ -28,12 +28,16 @@ class PallasBackend:
     def write_kv(self, pool, layer, k, v, slot_mapping):
         return pallas_kernels.write_kv(pool, k, v, slot_mapping, layer=layer, interpret=self.interpret)
 
-    def attend(self, q, pool, layer, inputs, scale):
+    def attend(self, q, pool, layer, inputs, scale, *, window=None, softcap=None):
+        """`window`: None or a traced i32[] W (the query at p sees keys p - W < k <= p; an operand of
+        the kernel, so one compilation serves every layer's W); `softcap`: None or a static float."""
         if inputs.plan.q_index.shape[1] != 1:  # query tiles of more than one token: a prefill step
-            return xla_attend(q, pool, layer, inputs.plan, scale)
+            return xla_attend(q, pool, layer, inputs.plan, scale, window=window, softcap=softcap)
         # decode: packed token b is row b's one new token (N == B)
         return pallas_kernels.paged_attention(q, pool, inputs.block_tables, inputs.context_lens,
-                                              scale=float(scale), layer=layer, interpret=self.interpret)
+                                              scale=float(scale), layer=layer, window=window,
+                                              softcap=None if softcap is None else float(softcap),
+                                              interpret=self.interpret)
 
     def copy_blocks(self, pool, pairs):
         return pallas_kernels.copy_blocks(pool, pairs, interpret=self.interpret)

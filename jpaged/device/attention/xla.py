@@ -55,11 +55,25 @@ def _tiles(pool, layer, blocks, dtype):
     return _from_pool(pool[layer, blocks, 0], dtype), _from_pool(pool[layer, blocks, 1], dtype)
 
 
-def _visible(plan, key_tile):
-    """bool[P, TQ, TK]: which keys of its key tile each query slot of a pair may see (causal, in context)."""
+def _visible(plan, key_tile, window):
+    """bool[P, TQ, TK]: which keys of its key tile each query slot of a pair may see (causal, in
+    context, and inside the sliding window when there is one)."""
     q_pos = plan.q_positions[plan.pair_q]  # [P, TQ]
     k_pos = plan.k_start[plan.pair_k][:, None] + jnp.arange(key_tile)  # [P, TK]
-    return (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] < plan.pair_len[:, None, None])
+    visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] < plan.pair_len[:, None, None])
+    if window is not None:
+        visible &= k_pos[:, None, :] > q_pos[:, :, None] - window
+    return visible
+
+
+# the window of a layer that sees the whole context, where a window must be given (a full layer among
+# windowed ones, scanned with them; the native kernel's operand): longer than any context
+FULL_WINDOW = 1 << 30
+
+
+def soft_cap(scores, softcap):
+    """Gemma 2's attention logit soft-capping: c * tanh(s / c) (None: the scores unchanged)."""
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
 def _softmax_partials(scores, visible):
@@ -71,7 +85,7 @@ def _softmax_partials(scores, visible):
     return row_max, jnp.sum(probs, axis=-1), probs
 
 
-def _decode_partials(q, pool, layer, plan, scale):
+def _decode_partials(q, pool, layer, plan, scale, window, softcap):
     """Query tiles of one token: per pair (max, sum) f32[P, KVH, G] and unnormalised output [P, KVH, G, D]."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = pool.shape[4]
@@ -80,13 +94,13 @@ def _decode_partials(q, pool, layer, plan, scale):
     # [P, TK, KVH, D], in the compute dtype (a 16-bit pool under float32 compute is widened here)
     k, v = (x.reshape(num_pairs, -1, num_kv_heads, head_dim) for x in _tiles(pool, layer, blocks, q.dtype))
     q_pairs = (q[plan.q_index] * scale)[plan.pair_q].reshape(num_pairs, 1, num_kv_heads, -1, head_dim)
-    scores = jnp.einsum("ptkgd,pskd->pkgts", q_pairs, k, preferred_element_type=jnp.float32)
-    row_max, row_sum, probs = _softmax_partials(scores, _visible(plan, k.shape[1])[:, None, None])
+    scores = soft_cap(jnp.einsum("ptkgd,pskd->pkgts", q_pairs, k, preferred_element_type=jnp.float32), softcap)
+    row_max, row_sum, probs = _softmax_partials(scores, _visible(plan, k.shape[1], window)[:, None, None])
     partial = jnp.einsum("pkgts,pskd->pkgtd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return row_max[..., 0], row_sum[..., 0], partial[..., 0, :]
 
 
-def _prefill_partials(q, pool, layer, plan, scale):
+def _prefill_partials(q, pool, layer, plan, scale, window, softcap):
     """Query tiles of TQ tokens: per pair (max, sum) f32[P, KVH, G * TQ] and output [P, KVH, G * TQ, D]
     (the G query heads that share a KV head stack with the tile's tokens into one matrix)."""
     num_heads, head_dim = q.shape[1:]
@@ -100,14 +114,15 @@ def _prefill_partials(q, pool, layer, plan, scale):
             for x in _tiles(pool, layer, blocks, q.dtype))
     q_tiles = (q[plan.q_index] * scale).reshape(num_q_tiles, q_tile, num_kv_heads, group, head_dim)
     q_tiles = q_tiles.transpose(0, 2, 3, 1, 4).reshape(num_q_tiles, num_kv_heads, group * q_tile, head_dim)
-    scores = jnp.einsum("pkmd,pksd->pkms", q_tiles[plan.pair_q], k, preferred_element_type=jnp.float32)
-    visible = jnp.tile(_visible(plan, k.shape[2]), (1, group, 1))[:, None]  # [P, 1, G * TQ, TK]
+    scores = soft_cap(jnp.einsum("pkmd,pksd->pkms", q_tiles[plan.pair_q], k, preferred_element_type=jnp.float32),
+                      softcap)
+    visible = jnp.tile(_visible(plan, k.shape[2], window), (1, group, 1))[:, None]  # [P, 1, G * TQ, TK]
     row_max, row_sum, probs = _softmax_partials(scores, visible)
     partial = jnp.einsum("pkms,pksd->pkmd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return row_max, row_sum, partial
 
 
-def xla_attend(q, pool, layer, plan, scale):
+def xla_attend(q, pool, layer, plan, scale, *, window=None, softcap=None):
     """Exact causal attention over the pairs of an `AttentionPlan` (see `jpaged.device.batch`).
 
     q f[N, H, D] (packed new tokens) -> f[N, H, D]. Every pair computes the partial softmax of
@@ -115,12 +130,14 @@ def xla_attend(q, pool, layer, plan, scale):
     merges its pairs' partials by their running maxima. Work is proportional to the pairs, i.e. to
     the tokens each row really attends to, whatever the other rows' lengths. Decode (one-token
     query tiles) and prefill lay the tiles out differently: each is the faster layout on XLA CPU.
+    `window` (None or i32[], traced) and `softcap` (None or a float): see the attention seam
+    (`jpaged.device.attention`).
     """
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = pool.shape[4]
     num_q_tiles, q_tile = plan.q_index.shape
     partials = _decode_partials if q_tile == 1 else _prefill_partials
-    row_max, row_sum, partial = partials(q, pool, layer, plan, scale)
+    row_max, row_sum, partial = partials(q, pool, layer, plan, scale, window, softcap)
 
     # merge: each query tile combines its pairs (consecutive in pair order) by their running maxima
     def per_tile(op, x):
@@ -135,11 +152,12 @@ def xla_attend(q, pool, layer, plan, scale):
     return out.reshape(num_q_tiles * q_tile, num_heads, head_dim)[plan.token_slot].astype(q.dtype)
 
 
-def gather_attend(q, pool, layer, block_tables, context_lens, positions, scale):
+def gather_attend(q, pool, layer, block_tables, context_lens, positions, scale, *, window=None, softcap=None):
     """Reference: attention by gathering each row's whole block table (padded rows and tokens).
 
     q f[B, T, H, D]; block_tables i32[B, M]; context_lens i32[B]; positions i32[B, T] -> f[B, T, H, D].
-    Query token t of row b attends to every cached position p <= positions[b, t], p < context_lens[b].
+    Query token t of row b attends to every cached position p <= positions[b, t], p < context_lens[b]
+    (and p > positions[b, t] - window with a window; scores soft-capped with a softcap).
     Simple and exact, but every row pays for the widest table: tests compare `xla_attend` with it.
     """
     batch, q_len, num_heads, head_dim = q.shape
@@ -148,9 +166,11 @@ def gather_attend(q, pool, layer, block_tables, context_lens, positions, scale):
     # [B, S, KVH, D]
     k, v = (x.reshape(batch, -1, num_kv_heads, head_dim) for x in _tiles(pool, layer, block_tables, q.dtype))
     qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = soft_cap(jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale, softcap)
     key_pos = jnp.arange(k.shape[1])
     visible = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < context_lens[:, None, None])
+    if window is not None:
+        visible &= key_pos[None, None, :] > positions[:, :, None] - window
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(visible[:, None, None], probs, 0.0)  # rows with no visible key (padding) -> 0, not NaN
@@ -174,8 +194,8 @@ class XLABackend:
     def write_kv(self, pool, layer, k, v, slot_mapping):
         return xla_write_kv(pool, layer, k, v, slot_mapping)
 
-    def attend(self, q, pool, layer, inputs, scale):
-        return xla_attend(q, pool, layer, inputs.plan, scale)
+    def attend(self, q, pool, layer, inputs, scale, *, window=None, softcap=None):
+        return xla_attend(q, pool, layer, inputs.plan, scale, window=window, softcap=softcap)
 
     def copy_blocks(self, pool, pairs):
         return xla_copy_blocks(pool, pairs)

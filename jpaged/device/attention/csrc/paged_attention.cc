@@ -17,17 +17,22 @@
 //   pool     T[L, NB, 2, BS, KVH, D] T = f32, f16, or u16 holding bfloat16 bit patterns; block b's
 //                                    keys at [l, b, 0], its values at [l, b, 1], side by side
 //   layer    s32[]                   which layer of the stacked pool to read
+//   window   s32[]                   W >= 1: the query token at position p sees the keys at positions
+//                                    p - W < k <= p (a sliding window; 1 << 30: every key in context)
 //   tables   s32[B, M]               each row's physical blocks in logical order
 //   context  s32[B]                  tokens of each row in the cache after this step (its new ones included)
 //   q_start  s32[B], q_len s32[B]    row b's new tokens are q[q_start[b] : q_start[b] + q_len[b]],
 //                                    at positions context[b] - q_len[b] ... context[b] - 1
-//   attribute `scale` (f32)
+//   attributes `scale` (f32) and `softcap` (f32; 0: none): each score s (after scaling) becomes
+//                                    softcap * tanh(s / softcap) before the mask and the softmax
 // Result: f32[N, H, D]; query token i of row b attends to the row's cached positions <= its own
-// (exact softmax; causal within the row). Tokens no row claims (padding) get zeros.
+// and > its own - W (exact softmax; causal within the row). Tokens no row claims (padding) get zeros.
 //
-// Invariants: a row reads only the slots of positions < context[b] (unused slots may hold
-// anything, NaN included); block ids are checked against the pool (an out-of-range id, layer or
-// row fails the call with an error instead of reading out of bounds).
+// Invariants: a row reads only the slots of positions < context[b] and >= its first token's
+// position - W + 1 (unused slots may hold anything, NaN included; the block table entries wholly
+// before the window are not even looked up: they may name the null block, or anything); block ids
+// that are read are checked against the pool (an out-of-range id, layer or row fails the call with
+// an error instead of reading out of bounds).
 
 #include <algorithm>
 #include <atomic>
@@ -92,6 +97,44 @@ inline VF ExpNonPositive16(VF x) {
 
 inline float ExpNonPositive(float x) { return ExpNonPositive16(Splat(x))[0]; }
 
+inline float MaxLanes(VF x) {
+  VF y = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x = x > y ? x : y;
+  y = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x = x > y ? x : y;
+  y = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x = x > y ? x : y;
+  y = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  x = x > y ? x : y;
+  return x[0];
+}
+
+inline float AddLanes(VF x) {
+  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return x[0];
+}
+
+// c * tanh(x / c) on 16 lanes (inv_c = 1 / c): logit soft-capping. tanh as Cephes' tanhf: an odd
+// polynomial below 0.625, 1 - 2 / (exp(2|y|) + 1) above, within a few ulp.
+inline VF SoftCap16(VF x, float c, float inv_c) {
+  const VF y = x * inv_c;
+  const VF a = y < 0.0f ? -y : y;
+  const VF z = y * y;
+  VF small = Splat(-5.70498872745e-3f);
+  small = small * z + 2.06390887954e-2f;
+  small = small * z - 5.37397155531e-2f;
+  small = small * z + 1.33314422036e-1f;
+  small = small * z - 3.33332819422e-1f;
+  small = small * z * a + a;
+  const VF e = ExpNonPositive16(-2.0f * a);  // exp(-2|y|); exp(-87) for |y| past 43.5, where tanh is 1
+  const VF large = 1.0f - 2.0f * e / (1.0f + e);
+  const VF t = a < 0.625f ? small : large;
+  return (y < 0.0f ? -t : t) * c;
+}
+
 // ---- element conversion ------------------------------------------------------------------------
 
 inline float BF16BitsToFloat(uint16_t b) {
@@ -148,6 +191,8 @@ struct Problem {
   const int32_t* q_start;
   const int32_t* q_len;
   float scale;
+  int64_t window;          // W: query position q sees keys q - W + 1 .. q
+  float softcap, inv_softcap;  // 0, 0: no soft-capping
   float* out;
 };
 
@@ -163,9 +208,20 @@ inline int64_t SlotOffset(const Problem& p, int64_t block, int64_t slot) {
   return p.layer_offset + (block * 2 * p.BS + slot) * p.KVH * p.D;
 }
 
-// The keys a work item reads: positions 0 .. ItemKeys - 1 of its row.
+// The keys a work item reads: positions ItemFirstKey .. ItemKeys - 1 of its row (the window of its
+// first query token through its last token).
 inline int64_t ItemKeys(const Problem& p, const WorkItem& item) {
   return p.context[item.row] - p.q_len[item.row] + item.chunk_start + item.chunk_len;
+}
+
+inline int64_t ItemFirstKey(const Problem& p, const WorkItem& item) {
+  return std::max<int64_t>(0, ItemKeys(p, item) - item.chunk_len - p.window + 1);
+}
+
+// The first lane of a tile (keys tile .. tile + 15) that the query at `q_pos` sees: 0 but in the
+// window's first tiles.
+inline int FirstVisible(const Problem& p, int64_t q_pos, int64_t tile) {
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kTile, q_pos - p.window + 1 - tile)));
 }
 
 // Prefetches `bytes` bytes from byte `at` of a pool (K or V) into the L2 cache, not L1 (hint 1,
@@ -186,6 +242,7 @@ bool RunItem(const Problem& p, const WorkItem& item, std::vector<float>& buffer)
   const int64_t context = p.context[item.row];
   const int64_t first_pos = context - p.q_len[item.row] + item.chunk_start;  // position of the chunk's first query
   const int64_t last_pos = first_pos + item.chunk_len - 1;
+  const int64_t first_key = ItemFirstKey(p, item);
   const int32_t* table = p.tables + static_cast<int64_t>(item.row) * p.M;
 
   // buffer: scaled queries [nvec, D] | acc [nvec, D] | k rows [kTile, D] | v rows [kTile, D]
@@ -209,9 +266,9 @@ bool RunItem(const Problem& p, const WorkItem& item, std::vector<float>& buffer)
   const int64_t elem = ElementBytes(p.type);
   const float* k_rows[kTile];
   const float* v_rows[kTile];
-  float scores[kTile], probs[kTile];
+  float scores[kTile] = {}, probs[kTile];
 
-  for (int64_t tile = 0; tile <= last_pos; tile += kTile) {
+  for (int64_t tile = first_key; tile <= last_pos; tile += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, last_pos + 1 - tile));
     for (int t = 0; t < n; ++t) {
       const int64_t pos = tile + t;
@@ -232,23 +289,25 @@ bool RunItem(const Problem& p, const WorkItem& item, std::vector<float>& buffer)
     for (int64_t j = 0; j < nvec; ++j) {
       const int64_t q_pos = first_pos + j / G;
       const int visible = static_cast<int>(std::min<int64_t>(n, q_pos + 1 - tile));  // causal: keys <= q_pos
-      if (visible <= 0) continue;
+      const int first = FirstVisible(p, q_pos, tile);  // the window: keys > q_pos - W
+      if (visible <= first) continue;
       const float* qv = qs + j * D;
-      float tile_max = kNegInf;
-      for (int t = 0; t < visible; ++t) {
+      for (int t = first; t < visible; ++t) {
         const float* kv = k_rows[t];
         float s = 0.0f;
 #pragma omp simd reduction(+ : s)
         for (int64_t d = 0; d < D; ++d) s += qv[d] * kv[d];
         scores[t] = s;
-        tile_max = std::max(tile_max, s);
       }
-      const float m_new = std::max(m[j], tile_max);
-      const float alpha = m[j] == kNegInf ? 0.0f : ExpNonPositive(m[j] - m_new);
       VF tile_scores;
-      std::memcpy(&tile_scores, scores, sizeof tile_scores);  // lanes >= visible: masked just below
+      std::memcpy(&tile_scores, scores, sizeof tile_scores);  // lanes outside first .. visible - 1: masked below
+      if (p.softcap > 0.0f) tile_scores = SoftCap16(tile_scores, p.softcap, p.inv_softcap);
+      const VI in_view = (kLanes >= first) & (kLanes < visible);
+      tile_scores = in_view ? tile_scores : Splat(kNegInf);
+      const float m_new = std::max(m[j], MaxLanes(tile_scores));
+      const float alpha = m[j] == kNegInf ? 0.0f : ExpNonPositive(m[j] - m_new);
       VF tile_probs = ExpNonPositive16(tile_scores - m_new);
-      tile_probs = kLanes < visible ? tile_probs : VF{};
+      tile_probs = in_view ? tile_probs : VF{};
       std::memcpy(probs, &tile_probs, sizeof tile_probs);
       float sum = 0.0f;
       for (int t = 0; t < kTile; ++t) sum += probs[t];
@@ -257,7 +316,7 @@ bool RunItem(const Problem& p, const WorkItem& item, std::vector<float>& buffer)
       float* a = acc + j * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-      for (int t = 0; t < visible; ++t) {
+      for (int t = first; t < visible; ++t) {
         const float pt = probs[t];
         const float* vv = v_rows[t];
 #pragma omp simd
@@ -329,26 +388,6 @@ inline VF SumLanes16(const VF* c) {
   return __builtin_shufflevector(e, e, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
 
-inline float MaxLanes(VF x) {
-  VF y = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  x = x > y ? x : y;
-  y = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  x = x > y ? x : y;
-  y = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  x = x > y ? x : y;
-  y = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  x = x > y ? x : y;
-  return x[0];
-}
-
-inline float AddLanes(VF x) {
-  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return x[0];
-}
-
 // The pool offsets (elements, head 0) of the n tokens at positions start .. start + n - 1 of a row
 // with block table `table`, in this layer: one division for all of them. Returns how many lie in
 // blocks inside the pool (stopping at the first that does not).
@@ -367,7 +406,9 @@ inline int TokenOffsets(const Problem& p, const int32_t* table, int64_t start, i
 // row (decode: its one token), every KV head: the row's blocks are read whole (a block's K and V,
 // every head, are one contiguous run of the pool), and each K or V row is loaded once for the
 // G query heads that read it. head_dim is C * 16. Query token i sees the keys at positions <= its
-// own. Returns false on a block outside the pool.
+// own and > its own - W. Tiles start at the first token's window (ItemFirstKey), so that a
+// windowed row reads about W keys, none of the blocks before. Returns false on a block outside
+// the pool.
 //
 // Per tile of 16 keys and query token: the scores of every query head (KV head by KV head, the
 // group's query vectors in registers, so that the loads are K's alone), then the online softmax
@@ -385,11 +426,13 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
   const int64_t H = p.H, KVH = p.KVH, Q = item.chunk_len;
   const int32_t* table = p.tables + static_cast<int64_t>(item.row) * p.M;
   const int64_t first_row = p.q_start[item.row] + item.chunk_start;  // the chunk's first token in q
-  const int64_t keys = ItemKeys(p, item);  // the chunk reads positions 0 .. keys - 1
+  const int64_t keys = ItemKeys(p, item);  // the chunk reads positions first_key .. keys - 1
+  const int64_t first_key = ItemFirstKey(p, item);
   const int64_t first_pos = keys - Q;      // the chunk's first token's position
-  const int64_t tiles = (keys + kTile - 1) / kTile;
+  const int64_t tiles = (keys - first_key + kTile - 1) / kTile;
   const int32_t* next_table = next ? p.tables + static_cast<int64_t>(next->row) * p.M : nullptr;
   const int64_t next_keys = next ? ItemKeys(p, *next) : 0;
+  const int64_t next_first_key = next ? ItemFirstKey(p, *next) : 0;
 
   // per (query token, query head): scaled query, running max / sum, unnormalised output
   std::vector<VF> qv(Q * H * C), acc(Q * H * C, VF{});
@@ -403,16 +446,16 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
   std::vector<VF> partial(H * kTile / 4);  // [query head][keys 4i .. 4i + 3]: SumLanes4Keys of their products
   std::vector<float> probs(H * kTile), alpha(H), m_new(H);
   std::vector<VF> tile_scores(H);
-  for (int64_t tile = 0; tile < keys; tile += kTile) {
+  for (int64_t tile = first_key; tile < keys; tile += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, keys - tile));
     if (TokenOffsets(p, table, tile, n, offsets) < n) return false;
     // the tokens kPrefetchTiles ahead (prefetched in the loops below): this item's, or next's
     int64_t ahead[kTile];
     int ahead_n = 0;
-    const int64_t ahead_tile = tile / kTile + kPrefetchTiles;
+    const int64_t ahead_tile = (tile - first_key) / kTile + kPrefetchTiles;
     const bool in_next = ahead_tile >= tiles;
     const int32_t* ahead_table = in_next ? next_table : table;
-    const int64_t ahead_start = (in_next ? ahead_tile - tiles : ahead_tile) * kTile;
+    const int64_t ahead_start = in_next ? next_first_key + (ahead_tile - tiles) * kTile : first_key + ahead_tile * kTile;
     const int64_t ahead_end = ahead_table ? std::min(ahead_start + kTile, in_next ? next_keys : keys) : 0;
     if (ahead_end > ahead_start) {
       ahead_n = TokenOffsets(p, ahead_table, ahead_start, static_cast<int>(ahead_end - ahead_start), ahead);
@@ -420,7 +463,8 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
     }
     for (int64_t i = 0; i < Q; ++i) {
       const int visible = static_cast<int>(std::min<int64_t>(n, first_pos + i + 1 - tile));  // causal
-      if (visible <= 0) continue;
+      const int first = FirstVisible(p, first_pos + i, tile);  // the window (0 for the chunk's first token)
+      if (visible <= first) continue;
       const VF* q = &qv[i * H * C];  // [H][C]
       // scores: KV head by KV head, with its G query heads' vectors held in registers; the K rows
       // of the tile kPrefetchTiles ahead are prefetched a token's head at a time, spread over the loop
@@ -452,7 +496,8 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
       // then the probabilities
       for (int64_t j = 0; j < H; ++j) {
         VF scores = SumLanes16(&partial[j * (kTile / 4)]);
-        if (visible < kTile) scores = kLanes < visible ? scores : Splat(kNegInf);
+        if (p.softcap > 0.0f) scores = SoftCap16(scores, p.softcap, p.inv_softcap);
+        if (first > 0 || visible < kTile) scores = (kLanes >= first) & (kLanes < visible) ? scores : Splat(kNegInf);
         tile_scores[j] = scores;
         m_new[j] = std::max(m[i * H + j], MaxLanes(scores));
       }
@@ -470,7 +515,7 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
       }
       for (int64_t j = 0; j < H; ++j) {
         VF pr = ExpNonPositive16(tile_scores[j] - m_new[j]);
-        if (visible < kTile) pr = kLanes < visible ? pr : VF{};
+        if (first > 0 || visible < kTile) pr = (kLanes >= first) & (kLanes < visible) ? pr : VF{};
         l[i * H + j] = l[i * H + j] * alpha[j] + AddLanes(pr);
         m[i * H + j] = m_new[j];
         std::memcpy(&probs[j * kTile], &pr, sizeof pr);
@@ -481,7 +526,7 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
         VF a[G][C];
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < C; ++c) a[g][c] = acc[(base + g) * C + c] * alpha[h * G + g];
-        for (int t = 0; t < visible; ++t) {
+        for (int t = first; t < visible; ++t) {
           if (i == 0 && t < ahead_n) PrefetchL2(p.v, ahead[t] + h * D * elem, D * elem);
           VF v[C];
           for (int c = 0; c < C; ++c) v[c] = Load16<T>(p.v, offsets[t] + h * D + 16 * c);
@@ -576,9 +621,10 @@ struct Work {
 };
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pool,
-                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
-                          ffi::Buffer<ffi::S32> context, ffi::Buffer<ffi::S32> q_start,
-                          ffi::Buffer<ffi::S32> q_len, float scale, ffi::ResultBuffer<ffi::F32> out) {
+                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> window,
+                          ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> context,
+                          ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_len, float scale,
+                          float softcap, ffi::ResultBuffer<ffi::F32> out) {
   auto q_dims = q.dimensions();
   auto pool_dims = kv_pool.dimensions();
   auto table_dims = tables.dimensions();
@@ -604,6 +650,11 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   }
   const int32_t layer_id = *layer.typed_data();
   if (layer_id < 0 || layer_id >= L) return ffi::Error::InvalidArgument("paged attention: layer out of range");
+  if (window.element_count() != 1 || *window.typed_data() < 1)
+    return ffi::Error::InvalidArgument("paged attention: the window must be one int32 >= 1");
+  const int64_t window_len = *window.typed_data();
+  if (!(softcap >= 0.0f) || std::isinf(softcap))
+    return ffi::Error::InvalidArgument("paged attention: softcap must be finite and >= 0 (0: none)");
 
   auto work = std::make_shared<Work>();
   const int64_t block_k_bytes = BS * KVH * D * ElementBytes(type);
@@ -611,7 +662,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   work->problem = Problem{q.typed_data(), base, base + block_k_bytes, type, H, D, NB, BS,
                           KVH, H / KVH, M, layer_id * NB * 2 * BS * KVH * D, tables.typed_data(),
                           context.typed_data(), q_start.typed_data(), q_len.typed_data(), scale,
-                          out->typed_data()};
+                          window_len, softcap, softcap > 0.0f ? 1.0f / softcap : 0.0f, out->typed_data()};
   const bool vector_path = ChunkKernel(work->problem) != nullptr;
   float* result = out->typed_data();
   std::fill(result, result + N * H * D, 0.0f);
@@ -625,7 +676,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                                          " has tokens outside q, or a context longer than its block table");
     for (int32_t c = 0; c < ql[b]; c += kQueryChunk) {  // decode: one chunk of one token
       WorkItem item{static_cast<int32_t>(b), 0, c, std::min(kQueryChunk, ql[b] - c), 0};
-      item.cost = ItemKeys(work->problem, item) * item.chunk_len;
+      item.cost = (ItemKeys(work->problem, item) - ItemFirstKey(work->problem, item)) * item.chunk_len;
       if (vector_path) {
         item.all_heads = true;
         item.cost *= KVH;
@@ -659,11 +710,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
                                   .Arg<ffi::AnyBuffer>()          // kv_pool
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // window
                                   .Arg<ffi::Buffer<ffi::S32>>()   // tables
                                   .Arg<ffi::Buffer<ffi::S32>>()   // context
                                   .Arg<ffi::Buffer<ffi::S32>>()   // q_start
                                   .Arg<ffi::Buffer<ffi::S32>>()   // q_len
                                   .Attr<float>("scale")
+                                  .Attr<float>("softcap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // Which instructions this library was built for ("avx512", "avx2" or "portable").
