@@ -7,7 +7,8 @@ import copy
 import pytest
 
 from jpaged.core.block_manager import BlockManager
-from jpaged.core.kv_cache_manager import NULL_BLOCK_ID, DeviceOps, OutOfBlocksError
+from jpaged.core.kv_cache_manager import (NULL_BLOCK_ID, DeviceOps, KVCacheSpec, OutOfBlocksError, filled_slots,
+                                          kv_utilization)
 
 WORDS = "Four score and seven years ago our fathers brought forth mothers".split()
 TOKEN = {w: i + 100 for i, w in enumerate(WORDS)}
@@ -421,3 +422,202 @@ def test_filled_slots_and_kv_utilization_count_a_shared_block_once():
     assert kv_utilization(bm) == 8 / 12
     bm, _ = bm.swap_out(["C"])
     assert filled_slots(bm, swapped=True) == {0: 1} and kv_utilization(bm) == 7 / 8
+
+
+# ---- sliding window: blocks that slid out of every layer's window go back to the pool ---------------
+
+def test_sliding_window_releases_blocks_that_slid_out():
+    """W = 6, blocks of 4: the query at position p reads p - 5 .. p, so appending at p releases the
+    blocks whose last position is <= p - 6. Released entries become null; tables keep their length."""
+    bm = BlockManager.create(10, 4, sliding_window=6)
+    assert bm.max_window_blocks == 3 and [bm.num_dead_blocks(p) for p in (0, 8, 9, 12, 13)] == [0, 0, 1, 1, 2]
+    bm, num_cached = bm.allocate("a", list(range(7)))
+    assert num_cached == 0 and bm.block_table("a") == (1, 2) and bm.num_null_blocks("a") == 0
+    bm, _ = bm.append([("a", 7)])
+    bm, _ = bm.append([("a", 8)])  # the query at 8 reads 3..8: block 1 (0..3) still live
+    assert bm.block_table("a") == (1, 2, 3) and bm.free_block_ids == (4, 5, 6, 7, 8, 9)
+    bm.check_invariants()
+    bm, ops = bm.append([("a", 9)])  # reads 4..9: block 1 is dead, back to the end of the free list
+    assert not ops and bm.block_table("a") == (NULL_BLOCK_ID, 2, 3) and bm.num_null_blocks("a") == 1
+    assert bm.free_block_ids == (4, 5, 6, 7, 8, 9, 1) and bm.refcount(1) == 0
+    assert bm.slot_mapping("a", 4, 10) == [8, 9, 10, 11, 12, 13]  # live positions keep their slots
+    bm.check_invariants()
+    for t in (10, 11, 12, 13):
+        bm, ops = bm.append([("a", t)])
+        assert not ops
+    assert bm.block_table("a") == (0, 0, 3, 4) and bm.free_block_ids == (5, 6, 7, 8, 9, 1, 2)
+    assert bm.stats()["num_used_blocks"] == 2 and bm.num_free_blocks == 7
+    bm.check_invariants()
+    bm = bm.free(["a"])  # null entries are skipped
+    assert bm.free_block_ids == (5, 6, 7, 8, 9, 1, 2, 4, 3) and bm.num_free_blocks == 9
+    bm.check_invariants()
+
+
+def test_sliding_window_fork_shares_null_entries_and_a_block_stays_until_its_last_holder():
+    bm = BlockManager.create(10, 4, sliding_window=6)
+    bm, _ = bm.allocate("a", list(range(9)))  # blocks 1, 2, 3 (1 filled)
+    bm, _ = bm.append([("a", 9)])
+    assert bm.block_table("a") == (0, 2, 3)
+    bm = bm.fork("a", "b")  # the null entry is copied, not refcounted
+    assert bm.block_table("b") == (0, 2, 3) and bm.num_null_blocks("b") == 1
+    assert [bm.refcount(b) for b in range(4)] == [0, 0, 2, 2]
+    bm, ops = bm.append([("a", 10), ("b", 11)])  # copy-on-write of the shared last block, as ever
+    assert ops.copy_pairs == ((3, 4),) and bm.block_table("a") == (0, 2, 4) and bm.block_table("b") == (0, 2, 3)
+    for t in range(3):
+        bm, _ = bm.append([("a", t)])
+    assert bm.num_tokens("a") == 14 and bm.block_table("a") == (0, 0, 4, 5)
+    assert bm.refcount(2) == 1 and 2 not in bm.free_block_ids  # b (11 tokens) still reads block 2
+    bm.check_invariants()
+    bm, _ = bm.append([("b", 11)])
+    assert bm.num_blocks_to_append(["b"]) == 1  # position 12: a new block; the query reads 7..12
+    bm, _ = bm.append([("b", 12)])
+    assert bm.block_table("b") == (0, 2, 3, 6) and bm.free_block_ids == (7, 8, 9, 1)
+    assert bm.num_blocks_to_append(["b"]) == 0
+    bm, _ = bm.append([("b", 13)])  # the query at 13 reads 8..13: b, the last holder, frees block 2
+    assert bm.block_table("b") == (0, 0, 3, 6) and bm.free_block_ids == (7, 8, 9, 1, 2)
+    bm.check_invariants()
+
+
+def test_sliding_window_swap_moves_only_live_blocks():
+    bm = BlockManager.create(10, 4, num_cpu_blocks=6, sliding_window=6)
+    bm, _ = bm.allocate("a", list(range(13)))  # blocks 1, 2, 3, 4 (1 filled): a prefill holds everything
+    assert bm.block_table("a") == (1, 2, 3, 4) and bm.num_null_blocks("a") == 0
+    bm, _ = bm.append([("a", 13)])  # the query at 13 reads 8..13: blocks 1 and 2 are dead
+    assert bm.block_table("a") == (0, 0, 3, 4) and bm.free_block_ids == (5, 6, 7, 8, 9, 1, 2)
+    assert bm.can_swap_out(["a"])
+    out, ops = bm.swap_out(["a"])
+    assert ops.swap_out == ((3, 0), (4, 1))
+    # null entries stay 0 while swapped out: placeholders, not CPU block 0 (num_null_blocks says so)
+    assert out.block_table("a") == (0, 0, 0, 1) and out.num_null_blocks("a") == 2
+    assert out.free_cpu_block_ids == (2, 3, 4, 5) and out.cpu_refcount(0) == 1
+    assert filled_slots(out, swapped=True) == {0: 4, 1: 2}
+    out.check_invariants()
+    back, ops = out.swap_in(["a"])
+    assert ops.swap_in == ((0, 5), (1, 6)) and back.block_table("a") == (0, 0, 5, 6)
+    assert back.slot_mapping("a", 12, 14) == [24, 25]
+    back.check_invariants()
+    assert back.free(["a"]).num_free_blocks == 9
+
+
+def test_sliding_window_bound_holds_at_8x_the_window():
+    """A sequence appended to 8 windows holds at most ceil((W - 1) / block_size) + 1 blocks after
+    every append: a pool of exactly that many usable blocks never runs out, and the bound is met."""
+    for block_size, window in [(1, 1), (1, 3), (2, 3), (4, 4), (4, 5), (4, 6), (16, 64), (16, 65)]:
+        bound = -(-(window - 1) // block_size) + 1
+        assert bound <= -(-window // block_size) + 1
+        bm = BlockManager.create(bound + 1, block_size, sliding_window=window)
+        assert bm.max_window_blocks == bound
+        bm, _ = bm.allocate("a", [0])
+        most = 1
+        for t in range(8 * window):
+            assert bm.can_append(["a"]), (block_size, window, t)
+            bm, _ = bm.append([("a", t)])
+            live = len(bm.block_table("a")) - bm.num_null_blocks("a")
+            assert live <= bound and bm.num_free_blocks == bound - live
+            # everything the query at the last position reads is live
+            assert bm.num_null_blocks("a") * block_size <= max(0, bm.num_tokens("a") - window)
+            most = max(most, live)
+        assert most == bound and bm.num_tokens("a") == 8 * window + 1
+        assert len(bm.block_table("a")) == -(-(8 * window + 1) // block_size)
+        bm.check_invariants()
+        # without the window the same pool runs out within the first window
+        plain, _ = BlockManager.create(bound + 1, block_size).allocate("a", [0])
+        with pytest.raises(OutOfBlocksError):
+            for t in range(8 * window):
+                plain, _ = plain.append([("a", t)])
+
+
+def test_sliding_window_can_append_counts_blocks_the_append_releases():
+    """W = 3, blocks of 2: appending at position 4 releases block 1 (positions 0-1) and needs a new
+    block; with no free block it still fits (releases come before allocations), and can_append says so."""
+    bm = BlockManager.create(3, 2, sliding_window=3)
+    bm, _ = bm.allocate("a", [1, 2, 3])
+    bm, _ = bm.append([("a", 4)])
+    assert bm.block_table("a") == (1, 2) and bm.num_free_blocks == 0
+    assert bm.num_blocks_to_append(["a"]) == 0 and bm.can_append(["a"])
+    bm, ops = bm.append([("a", 5)])
+    assert not ops and bm.block_table("a") == (0, 2, 1) and bm.num_free_blocks == 0
+    bm.check_invariants()
+    # a block two sequences hold is freed only when both release it in the same append
+    bm = BlockManager.create(6, 2, sliding_window=3)
+    bm, _ = bm.allocate("a", [1, 2, 3, 4])
+    bm = bm.fork("a", "b")  # share blocks 1, 2 (both full); position 4 makes block 1 dead for each
+    bm, _ = bm.allocate("x", [9, 9, 9])  # takes 3, 4: block 5 is free
+    assert bm.num_blocks_to_append(["a"]) == 1 and bm.num_blocks_to_append(["a", "b"]) == 1  # 2 new, 1 freed
+    assert bm.can_append(["a", "b"])
+    bm, ops = bm.append([("a", 5), ("b", 6)])  # a takes 5, b the block 1 that both released
+    assert not ops and bm.block_table("a") == (0, 2, 5) and bm.block_table("b") == (0, 2, 1)
+    assert bm.num_free_blocks == 0 and bm.refcount(2) == 2
+    bm.check_invariants()
+
+
+def test_sliding_window_prefix_caching_reuses_the_live_part_of_a_cached_prefix():
+    """A released block keeps its K/V and hash (cached-free), so a request with the same prompt maps
+    the cached blocks its queries read and leaves the dead ones null; hashes chain over token ids,
+    so blocks after an evicted one still hit."""
+    tokens = list(range(100, 120))
+    bm = BlockManager.create(10, 4, enable_prefix_caching=True, sliding_window=6)
+    bm, _ = bm.allocate("a", tokens[:8])
+    for t in tokens[8:]:
+        bm, _ = bm.append([("a", t)])
+    # blocks 1, 2, 3 slid out, each released to the evictable list (logical order) with its hash
+    assert bm.block_table("a") == (0, 0, 0, 4, 5) and bm.free_block_ids == (6, 7, 8, 9, 1, 2, 3)
+    assert all(bm.is_cached(b) for b in (1, 2, 3, 4, 5)) and bm.stats()["num_cached_free_blocks"] == 3
+    bm.check_invariants()
+    prompt = tokens + [1, 2]  # a continues a's conversation: 5 full blocks could hit, the last token is computed
+    # computing positions 20.. reads 15..: blocks 3 and 4 (a's 4, 5) are shared, 0-2 need nothing
+    assert bm.allocation_cost(prompt) == (1, 20)
+    running, num_cached = bm.allocate("b", prompt)
+    assert num_cached == 20 and running.block_table("b") == (0, 0, 0, 4, 5, 6)
+    assert running.refcount(4) == running.refcount(5) == 2 and running.free_block_ids == (7, 8, 9, 1, 2, 3)
+    running.check_invariants()
+
+    bm = bm.free(["a"])
+    assert bm.free_block_ids == (6, 7, 8, 9, 1, 2, 3, 5, 4)
+    bm, _ = bm.allocate("x", list(range(8)))  # 6, 7
+    bm, _ = bm.allocate("y", list(range(50, 61)))  # 8, 9 and evicts 1 (least recently freed)
+    assert bm.block_table("y") == (8, 9, 1) and not bm.is_cached(1) and bm.is_cached(2)
+    bm, num_cached = bm.allocate("b", prompt)  # block 0's hash is gone; the live blocks still hit
+    assert num_cached == 20 and bm.block_table("b") == (0, 0, 0, 4, 5, 2)
+    assert bm.refcount(4) == bm.refcount(5) == 1 and bm.num_free_blocks == 1 and bm.is_cached(3)
+    bm.check_invariants()
+    for t in (3, 4):  # b's blocks filled by appends keep chaining from the token hashes
+        bm, _ = bm.append([("b", t)])
+    bm = bm.free(["b", "x", "y"])
+    bm, num_cached = bm.allocate("c", prompt + [3, 4, 5])
+    assert num_cached == 24 and bm.block_table("c")[:6] == (0, 0, 0, 0, 5, 2)
+
+    # without a window the same evictions leave no usable prefix: block 0 must hit first
+    plain = BlockManager.create(10, 4, enable_prefix_caching=True)
+    plain, _ = plain.allocate("a", tokens)
+    plain = plain.free(["a"])
+    plain, _ = plain.allocate("y", list(range(50, 50 + 4 * 9)))  # every block: all cached ones evicted
+    plain = plain.free(["y"])
+    assert plain.allocate("b", prompt)[1] == 0
+
+
+def test_sliding_window_spec_validation_stats_and_utilization():
+    spec = KVCacheSpec(num_blocks=9, block_size=4, sliding_window=6)
+    bm = BlockManager.from_spec(spec)
+    assert bm.sliding_window == 6 and BlockManager.from_spec(KVCacheSpec(9, 4)).sliding_window is None
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="sliding_window"):
+            BlockManager.create(9, 4, sliding_window=bad)
+    bm, _ = bm.allocate("a", list(range(13)))
+    bm, _ = bm.append([("a", 13)])  # (0, 0, 3, 4): 4 + 2 slots filled in 2 blocks
+    assert filled_slots(bm) == {3: 4, 4: 2} and kv_utilization(bm) == 6 / 8
+    stats = bm.stats()
+    assert stats["num_used_blocks"] == 2 and stats["num_free_blocks"] == 6
+    assert stats["refcount_histogram"] == {1: 2}
+
+
+def test_sliding_window_recompute_reallocates_the_whole_context():
+    """After preemption by recompute the whole sequence is prefilled again: it holds every block for
+    that step (nothing is cached), then its first append releases what slid out."""
+    bm = BlockManager.create(10, 4, sliding_window=6)
+    bm, _ = bm.allocate("a", list(range(21)))
+    assert bm.block_table("a") == (1, 2, 3, 4, 5, 6) and bm.num_null_blocks("a") == 0
+    bm.check_invariants()
+    bm, _ = bm.append([("a", 21)])  # reads 16..21: blocks 1-4 are dead
+    assert bm.block_table("a") == (0, 0, 0, 0, 5, 6) and bm.free_block_ids == (7, 8, 9, 1, 2, 3, 4)
+    bm.check_invariants()

@@ -6,6 +6,10 @@ The model: every slot holds the K/V of one token, identified by the token prefix
 returned DeviceOps move blocks in the model's device and CPU pools. After every operation, every
 live sequence must read its own prefix at each of its slots (so copy-on-write, swap maps and
 prefix-cache hits are all checked), and `check_invariants` must hold.
+
+The sliding-window machines draw a window W: a sequence then reads only its live positions (those
+after its null entries), which must hold every position the window of its last token's query
+sees, and right after an append it holds at most `max_window_blocks` blocks.
 """
 
 import pytest
@@ -15,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import jpaged.core.persistent as persistent
 from jpaged.core.block_manager import BlockManager
-from jpaged.core.kv_cache_manager import OutOfBlocksError
+from jpaged.core.kv_cache_manager import NULL_BLOCK_ID, OutOfBlocksError
 
 PREFIXES = ([], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9, 1])  # shared prompts
 tokens_st = st.lists(st.integers(0, 3), max_size=6)
@@ -23,6 +27,7 @@ tokens_st = st.lists(st.integers(0, 3), max_size=6)
 
 class BlockManagerMachine(RuleBasedStateMachine):
     prefix_caching = False
+    windowed = False
 
     @initialize(data=st.data(), block_size=st.sampled_from([1, 2, 4]),
                 num_blocks=st.integers(4, 24), num_cpu_blocks=st.integers(0, 12),
@@ -30,8 +35,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def setup(self, data, block_size, num_blocks, num_cpu_blocks, shard_bits):
         # small shards, so that small pools exercise the persistent tables' copy-on-write
         order = data.draw(st.permutations(range(1, num_blocks)), label="free_block_ids")
+        window = data.draw(st.integers(1, 9), label="sliding_window") if self.windowed else None
         self.bm = BlockManager.create(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
-                                      enable_prefix_caching=self.prefix_caching,
+                                      enable_prefix_caching=self.prefix_caching, sliding_window=window,
                                       free_block_ids=order, shard_bits=shard_bits)
         self.tokens = {}  # seq id -> token ids whose K/V is in its slots
         self.groups = {}  # group id -> seq ids (a request's samples / beam candidates)
@@ -59,6 +65,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def running(self):
         return sorted(s for s in self.tokens if not self.bm.is_swapped(s))
+
+    def live(self, seq_id):
+        """The entries of a sequence's table that name a block (after the null ones)."""
+        table, num_null = self.bm.block_table(seq_id), self.bm.num_null_blocks(seq_id)
+        assert table[:num_null] == (NULL_BLOCK_ID,) * num_null
+        return table[num_null:]
 
     def write(self, seq_id, start):
         tokens = self.tokens[seq_id]
@@ -112,6 +124,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         free_before = self.bm.num_free_blocks
         self.bm, ops = self.bm.append(appends)
         assert free_before - self.bm.num_free_blocks <= len(seq_ids)
+        if self.windowed:  # right after an append: the window's bound
+            assert all(len(self.live(s)) <= self.bm.max_window_blocks for s in seq_ids)
+        else:
+            assert all(self.bm.num_null_blocks(s) == 0 for s in seq_ids)
         assert not ops.swap_in and not ops.swap_out
         self.move_blocks(ops.copy_pairs, self.device, self.device)
         for seq_id, token_id in appends:
@@ -146,12 +162,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
             with pytest.raises(OutOfBlocksError):
                 self.bm.swap_out(seqs)
             return
-        tables = {s: self.bm.block_table(s) for s in seqs}
+        tables = {s: self.live(s) for s in seqs}
+        nulls = {s: self.bm.num_null_blocks(s) for s in seqs}
         self.bm, ops = self.bm.swap_out(seqs)
         assert len(ops.swap_out) == len({b for t in tables.values() for b in t})  # moved once
         mapping = dict(ops.swap_out)
-        for s in seqs:
-            assert self.bm.block_table(s) == tuple(mapping[b] for b in tables[s])
+        for s in seqs:  # null entries move nothing and stay null
+            assert self.bm.block_table(s) == (NULL_BLOCK_ID,) * nulls[s] + tuple(mapping[b] for b in tables[s])
         self.move_blocks(ops.swap_out, self.device, self.cpu)
 
     @precondition(lambda self: self.group_ids(swapped=True))
@@ -162,7 +179,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             with pytest.raises(OutOfBlocksError):
                 self.bm.swap_in(seqs)
             return
+        nulls = {s: self.bm.num_null_blocks(s) for s in seqs}
         self.bm, ops = self.bm.swap_in(seqs)
+        assert len(ops.swap_in) == len({b for s in seqs for b in self.live(s)})
+        assert nulls == {s: self.bm.num_null_blocks(s) for s in seqs}
         self.move_blocks(ops.swap_in, self.cpu, self.device)
 
     # ---- checks after every operation ----------------------------------------------------------
@@ -179,11 +199,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def every_sequence_reads_its_own_prefix(self):
         bs = self.bm.block_size
         owner = {}  # device slot -> prefix, across live running sequences
+        window = self.bm.sliding_window
         for seq_id, tokens in self.tokens.items():
             assert self.bm.num_tokens(seq_id) == len(tokens)
             table = self.bm.block_table(seq_id)
             memory = self.cpu if self.bm.is_swapped(seq_id) else self.device
-            for p in range(len(tokens)):
+            first_live = self.bm.num_null_blocks(seq_id) * bs
+            # every position the last token's query (or a later one) reads is live
+            assert first_live == 0 or window is not None and first_live <= len(tokens) - window
+            for p in range(first_live, len(tokens)):
                 slot = table[p // bs] * bs + p % bs
                 assert memory.get(slot) == tuple(tokens[:p + 1]), f"seq {seq_id} position {p}"
                 if not self.bm.is_swapped(seq_id):
@@ -204,9 +228,22 @@ class PrefixCachingMachine(BlockManagerMachine):
     prefix_caching = True
 
 
+class SlidingWindowMachine(BlockManagerMachine):
+    windowed = True
+
+
+class SlidingWindowPrefixCachingMachine(BlockManagerMachine):
+    prefix_caching = True
+    windowed = True
+
+
 _settings = settings(max_examples=200, stateful_step_count=30, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestBlockManager = BlockManagerMachine.TestCase
 TestBlockManager.settings = _settings
 TestBlockManagerPrefixCaching = PrefixCachingMachine.TestCase
 TestBlockManagerPrefixCaching.settings = _settings
+TestBlockManagerSlidingWindow = SlidingWindowMachine.TestCase
+TestBlockManagerSlidingWindow.settings = _settings
+TestBlockManagerSlidingWindowPrefixCaching = SlidingWindowPrefixCachingMachine.TestCase
+TestBlockManagerSlidingWindowPrefixCaching.settings = _settings

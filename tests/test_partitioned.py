@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.kv_cache_manager import KVCacheSpec
 from jpaged.core.partitioned import PartitionedBlockManager
 from test_scheduler import Harness
 
@@ -113,3 +115,48 @@ def test_allocation_cost_counts_shared_and_cached_free_prefix_blocks():
     assert bm.allocation_cost(list(range(9)), rank=0) == (3, 0)
     bm = bm.free(["a"])
     assert bm.allocation_cost(list(range(9)), rank=1) == (3, 8)  # cached but free: taken, not computed
+
+
+def test_a_sliding_window_releases_blocks_in_each_partition_with_its_null_block():
+    bm = PartitionedBlockManager.create(2, 6, 4, cpu_blocks_per_partition=3, sliding_window=6)
+    assert bm.sliding_window == 6 and all(p.sliding_window == 6 for p in bm.partitions)
+    bm, _ = bm.allocate("a", list(range(9)), rank=1)  # global blocks 7, 8, 9
+    bm, _ = bm.append([("a", 9)])  # the query at 9 reads 4..9: the first block is dead
+    assert bm.block_table("a") == (6, 8, 9) and bm.num_null_blocks("a") == 1  # 6: rank 1's null block
+    assert bm.num_free_blocks_in(1) == 3 and bm.slot_mapping("a", 4, 5) == [8 * 4]
+    bm, ops = bm.swap_out(["a"])
+    assert ops.swap_out == ((8, 3), (9, 4))  # only the live blocks move, to rank 1's CPU blocks
+    assert bm.num_null_blocks("a") == 1 and bm.block_table("a")[1:] == (3, 4)
+    bm, ops = bm.swap_in(["a"])
+    assert bm.block_table("a")[0] == 6 and bm.num_null_blocks("a") == 1
+    bm.check_invariants()
+    spec_bm = PartitionedBlockManager.from_spec(KVCacheSpec(num_blocks=12, block_size=4, sliding_window=5), 2)
+    assert spec_bm.sliding_window == 5
+
+
+@pytest.mark.parametrize("num_partitions", [1, 2])
+def test_the_scheduler_runs_past_the_pool_with_a_sliding_window(num_partitions):
+    """W = 8, blocks of 4: a sequence holds at most 3 blocks after an append (its 8-token prompt: 2
+    until then), so two requests of 68 tokens each run in 6 usable blocks per partition without a
+    preemption; decode rows carry block tables of full length whose leading entries are null."""
+    h = Harness(2)
+    if num_partitions == 1:
+        h.scheduler.block_manager = BlockManager.create(7, 4, sliding_window=8)
+    else:
+        h.scheduler.block_manager = PartitionedBlockManager.create(2, 7, 4, sliding_window=8)
+    a = h.add("a", 8, max_tokens=60, arrival=0)
+    b = h.add("b", 8, max_tokens=60, arrival=1, first_token=50)
+    most_live = 0
+    while h.scheduler.has_unfinished():
+        out = h.step()
+        assert not out.preempted and not out.finished
+        for row in out.rows:
+            end = row.start_position + len(row.token_ids)
+            assert len(row.block_table) == -(-end // 4)
+            null_ids = {0, 7} if num_partitions == 2 else {0}
+            dead = max(0, (row.start_position - 8 + 1) // 4) if out.is_decode else 0
+            assert set(row.block_table[:dead]) <= null_ids and not set(row.block_table[dead:]) & null_ids
+            most_live = max(most_live, len(row.block_table) - dead)
+    assert most_live == 3
+    assert [len(g.seqs[0].output_token_ids) for g in (a, b)] == [60, 60]
+    assert h.scheduler.block_manager.num_free_blocks == 6 * num_partitions

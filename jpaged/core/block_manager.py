@@ -11,20 +11,56 @@ block_id * block_size + offset; a block's refcount is the number of block-table 
 
 Invariants (`check_invariants` asserts them all):
 - Block 0 is the null block (padded block-table entries point at it): never allocated, freed or
-  refcounted; never in a free list or a block table.
+  refcounted; never in a free list; in a block table only as a leading entry a sliding window
+  released (below).
 - Every other device block is exactly one of: used (refcount r > 0, named by exactly r entries of
   running sequences' block tables), free (refcount 0, once in the free list) or, with prefix
   caching, cached-free (refcount 0, in the prefix cache, once in the LRU evictable list). CPU blocks
   are used by swapped-out sequences' tables the same way, or free.
-- A sequence of n tokens holds ceil(n / block_size) blocks. A shared block sits at the same logical
-  index, with the same number of filled slots, in every table that names it (so slots shared by
-  two sequences hold the same token prefix).
+- A sequence of n tokens has a table of ceil(n / block_size) entries. A shared block sits at the
+  same logical index, with the same number of filled slots, in every table that names it (so slots
+  shared by two sequences hold the same token prefix).
 - Prefix cache: block hash <-> block id is one-to-one, and only full blocks are cached.
+
+Sliding window (`sliding_window=W`, for models whose every layer attends only to its W most recent
+positions, its own included: the query at position p sees keys k with p - W < k <= p). When a
+step computes query positions >= p0 of a sequence, its blocks whose last position is <= p0 - W are
+dead: no query of this or any later step reads them. There are `num_dead(p0) = max(0, (p0 - W + 1)
+// block_size)` of them, and the manager releases them at the two moments it knows p0:
+- `allocate`: p0 = the tokens whose K/V need not be computed (the prefix-cache hit); dead cached
+  blocks of the hit are not even taken. Without a hit p0 = 0: a prefill, first or recomputed after
+  preemption by recompute, holds its whole context for that one step (and must fit the pool);
+- `append`: p0 = the sequence's token count before the append (its new token's position). All of a
+  batch's releases happen before its allocations, so a block released by one sequence may be
+  taken by another in the same `append` (`num_blocks_to_append` counts it: `can_append` is exact).
+A released entry becomes NULL_BLOCK_ID: tables keep their length ceil(n / block_size) and every
+position its logical index (`slot_mapping` is unchanged for live positions); the first
+`num_null_blocks(seq_id)` entries are null and a null entry never follows a live one. While a
+sequence is swapped out those leading entries stay 0 and name no CPU block (CPU block 0 is a real
+block: read them through `num_null_blocks`). Release is the usual refcount - 1 (a block a forked
+sibling still reads stays until its last holder releases it), in logical order, to the back of the
+free list, or, when it is cached, of the evictable list with its hash kept.
+Invariants: a sequence of n tokens has num_null <= num_dead(n - 1) (nothing a pending or future
+query reads is released; equality right after an `append`), so right after an append it holds at
+most `max_window_blocks` = ceil((W - 1) / block_size) + 1 live blocks (<= ceil(W / block_size) + 1):
+the W positions p0 - W + 1 .. p0 touch that many blocks at most. A recomputed or just-allocated
+sequence holds more (its whole uncached context) until its first append.
+Prefix caching with a window: a dead block is always full (the block of p0 is live), so with prefix
+caching it was cached when it filled (unless an identical block was cached first), and it is never
+a copy-on-write source (a shared partial block is every holder's last). A released block keeps its
+K/V and its hash, so a later request with the same prefix can still map it (LRU eviction takes
+released heads before tails: they were released earlier). The hash
+chain is over token ids, not over blocks held, so the blocks after a released one hash the same
+whether or not it is still held or cached. A request needs cached blocks only for its live
+positions: `allocate` takes the largest k (k <= (len - 1) // block_size) such that blocks
+num_dead(k * block_size) .. k - 1 are all cached, even where blocks before them were evicted; it
+maps those blocks and leaves the dead ones null.
 
 Orders (tests pin them): allocation pops the front of the free list; a freed block goes to its
 back. With prefix caching, uncached free blocks are used first, then cached-free blocks least
 recently freed first (their cache entries are dropped). `free` releases each sequence's blocks
-last block first (vLLM's order: a prefix's tail is evicted before its head).
+last block first (vLLM's order: a prefix's tail is evicted before its head); a sliding window's
+releases in `append` go in logical order, sequence by sequence in the batch's order.
 """
 
 from __future__ import annotations
@@ -50,6 +86,12 @@ class _Seq(NamedTuple):
     swapped: bool = False
     parent_hash: int | None = None  # prefix caching: hash() of the last full block's BlockHash
     partial_token_ids: tuple[int, ...] = ()  # prefix caching: the partly filled last block's tokens
+    num_null: int = 0  # sliding window: leading entries released (NULL_BLOCK_ID, naming no block)
+
+    @property
+    def live(self) -> tuple[int, ...]:
+        """The block ids the table holds (refcounted): every entry after the null ones."""
+        return self.block_ids[self.num_null:]
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -70,18 +112,23 @@ class BlockManager:
     _block_hashes: Table  # its inverse: device block id -> BlockHash
     _cpu_refcounts: Table  # CPU block id -> refcount, for blocks in use only
     _free_cpu: Queue  # free CPU blocks
+    sliding_window: int | None = None  # every layer's window W (module docstring), None: none
 
     @classmethod
     def create(cls, num_blocks: int, block_size: int, *, num_cpu_blocks: int = 0,
-               enable_prefix_caching: bool = False,
+               enable_prefix_caching: bool = False, sliding_window: int | None = None,
                free_block_ids: Sequence[int] | None = None, shard_bits: int = SHARD_BITS) -> BlockManager:
-        """`free_block_ids`: the initial free-list order, a permutation of 1..num_blocks-1
+        """`sliding_window`: W when every layer of the model sees only its W most recent positions
+        (blocks that slide out are released, see the module docstring); None keeps every block.
+        `free_block_ids`: the initial free-list order, a permutation of 1..num_blocks-1
         (default ascending). CPU blocks are 0..num_cpu_blocks-1, ascending. `shard_bits`: the
         persistent tables' shard width, 2**shard_bits consecutive keys a shard (default SHARD_BITS;
         tests lower it so small pools exercise many shards)."""
         if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
             raise ValueError(f"bad pool: num_blocks={num_blocks}, block_size={block_size}, "
                              f"num_cpu_blocks={num_cpu_blocks}")
+        if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
+            raise ValueError(f"sliding_window must be None or an integer >= 1, got {sliding_window!r}")
         ids = list(range(1, num_blocks) if free_block_ids is None else free_block_ids)
         if sorted(ids) != list(range(1, num_blocks)):
             raise ValueError(f"free_block_ids must be a permutation of 1..{num_blocks - 1} "
@@ -89,13 +136,13 @@ class BlockManager:
         empty, cpu_empty = Table.empty(num_blocks, shard_bits), Table.empty(num_cpu_blocks, shard_bits)
         return cls(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, empty, empty,
                    Queue.of(ids, num_blocks, shard_bits), Queue.of([], num_blocks, shard_bits), empty, empty,
-                   cpu_empty, Queue.of(range(num_cpu_blocks), num_cpu_blocks, shard_bits))
+                   cpu_empty, Queue.of(range(num_cpu_blocks), num_cpu_blocks, shard_bits), sliding_window)
 
     @classmethod
     def from_spec(cls, spec: KVCacheSpec) -> BlockManager:
         """The engine's default KV cache manager factory: paging over the spec's pools."""
         return cls.create(spec.num_blocks, spec.block_size, num_cpu_blocks=spec.num_cpu_blocks,
-                          enable_prefix_caching=spec.enable_prefix_caching)
+                          enable_prefix_caching=spec.enable_prefix_caching, sliding_window=spec.sliding_window)
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -134,6 +181,25 @@ class BlockManager:
     def num_tokens(self, seq_id: SeqId) -> int:
         return self._seq(seq_id).num_tokens
 
+    def num_null_blocks(self, seq_id: SeqId) -> int:
+        """Leading block-table entries the sliding window released (0 without a window)."""
+        return self._seq(seq_id).num_null
+
+    def num_dead_blocks(self, position: int) -> int:
+        """Leading blocks no query at `position` or later reads: those whose last position is
+        <= position - W (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, (position - self.sliding_window + 1) // self.block_size)
+
+    @property
+    def max_window_blocks(self) -> int | None:
+        """The most live blocks a sequence holds right after an append: ceil((W - 1) / block_size)
+        + 1, the blocks W consecutive positions can touch (None without a window)."""
+        if self.sliding_window is None:
+            return None
+        return blocks_for(self.sliding_window - 1, self.block_size) + 1
+
     def is_swapped(self, seq_id: SeqId) -> bool:
         return self._seq(seq_id).swapped
 
@@ -167,23 +233,28 @@ class BlockManager:
 
     def num_blocks_to_append(self, seq_ids: Sequence[SeqId]) -> int:
         """Blocks one `append` of one token to each sequence takes: a new block when the last is
-        full; a copy when it is shared, except for the last of its holders to write."""
+        full; a copy when it is shared, except for the last of its holders to write; less the
+        blocks its sliding-window releases free (a block only when all its holders are among these
+        sequences), never below 0."""
         check_unique(seq_ids)
-        num_new, writers = 0, Counter()
+        num_new, writers, releases = 0, Counter(), Counter()
         for seq_id in seq_ids:
             seq = self._seq(seq_id, swapped=False)
             if seq.num_tokens % self.block_size == 0:
                 num_new += 1
             else:
                 writers[seq.block_ids[-1]] += 1
-        return num_new + sum(min(k, self.refcount(b) - 1) for b, k in writers.items())
+            releases.update(seq.block_ids[seq.num_null:self.num_dead_blocks(seq.num_tokens)])
+        num_copies = sum(min(k, self.refcount(b) - 1) for b, k in writers.items())
+        num_freed = sum(1 for b, k in releases.items() if k == self.refcount(b))
+        return max(0, num_new + num_copies - num_freed)
 
     def can_append(self, seq_ids: Sequence[SeqId]) -> bool:
         """Exact: `append` of these sequences succeeds iff this holds."""
         return self.num_blocks_to_append(seq_ids) <= self.num_free_blocks
 
     def _distinct_blocks(self, seq_ids: Sequence[SeqId], swapped: bool) -> int:
-        return len({b for s in seq_ids for b in self._seq(s, swapped).block_ids})
+        return len({b for s in seq_ids for b in self._seq(s, swapped).live})
 
     def can_swap_out(self, seq_ids: Sequence[SeqId]) -> bool:
         return self._distinct_blocks(seq_ids, swapped=False) <= self.num_free_cpu_blocks
@@ -192,30 +263,39 @@ class BlockManager:
         """Counts only the swapped blocks; the caller reserves room for the next append."""
         return self._distinct_blocks(seq_ids, swapped=True) <= self.num_free_blocks
 
-    def _prefix_hits(self, token_ids: Sequence[int]) -> tuple[list[BlockHash], list[int]]:
-        """(the hashes of the full blocks of `token_ids`, the cached blocks of their longest prefix
-        found in the prefix cache, at most (len - 1) // block_size of them); both empty without
-        prefix caching."""
-        hashes, hits, parent = [], [], None
+    def _prefix_hits(self, token_ids: Sequence[int]) -> tuple[list[BlockHash], int, list[int]]:
+        """(the hashes of the full blocks of `token_ids`; k, the blocks of its prefix whose K/V is
+        in the pool, at most (len - 1) // block_size; the cached block ids of blocks
+        num_dead_blocks(k * block_size) .. k - 1, the ones its queries still read). Without a window
+        k is the longest prefix found in the prefix cache; with one, the largest k whose live blocks
+        are all cached. ([], 0, []) without prefix caching."""
+        hashes, parent = [], None
         if not self.enable_prefix_caching:
-            return hashes, hits
+            return hashes, 0, []
         bs = self.block_size
         for i in range(len(token_ids) // bs):
             hashes.append((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
             parent = hash(hashes[-1])
-        for block_hash in hashes[:(len(token_ids) - 1) // bs]:
-            if (block_id := self._cached.get(block_hash)) is None:
-                break
-            hits.append(block_id)
-        return hashes, hits
+        found, run_start, k = [], 0, 0  # run_start: the first block of the cached run ending at j
+        for j, block_hash in enumerate(hashes[:(len(token_ids) - 1) // bs]):
+            found.append(block_id := self._cached.get(block_hash))
+            if block_id is None:
+                if self.sliding_window is None:
+                    break
+                run_start = j + 1
+            elif run_start <= self.num_dead_blocks((j + 1) * bs):
+                k = j + 1
+        return hashes, k, found[self.num_dead_blocks(k * bs):k]
 
     def allocation_cost(self, token_ids: Sequence[int]) -> tuple[int, int]:
         """What `allocate` of these tokens would take, without allocating: (free blocks it takes,
         tokens of its prefix found in the prefix cache). Cached blocks that running sequences hold
-        are shared, not taken."""
-        _, hits = self._prefix_hits(token_ids)
-        taken = blocks_for(len(token_ids), self.block_size) - sum(1 for b in hits if self.refcount(b) > 0)
-        return taken, len(hits) * self.block_size
+        are shared, not taken; dead ones (sliding window) are not held at all."""
+        bs = self.block_size
+        _, k, hits = self._prefix_hits(token_ids)
+        taken = (blocks_for(len(token_ids), bs) - self.num_dead_blocks(k * bs)
+                 - sum(1 for b in hits if self.refcount(b) > 0))
+        return taken, k * bs
 
     # ---- operations ----------------------------------------------------------------------------
     def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> tuple[BlockManager, int]:
@@ -223,37 +303,50 @@ class BlockManager:
         prefix caching, its longest prefix of full blocks found in the cache, at most
         (len - 1) // block_size blocks (the last token is always computed), is mapped onto the
         cached blocks, and its other full blocks enter the cache. Their K/V is not yet written:
-        the engine writes a step's K/V before any attention reads it."""
+        the engine writes a step's K/V before any attention reads it. With a sliding window, the
+        blocks of the hit that no query of the step reads (num_dead_blocks(num_cached_tokens)) are
+        null entries, not taken (see the module docstring)."""
         if self.has(seq_id):
             raise ValueError(f"cannot allocate sequence {seq_id!r}: it already exists")
         n, bs = len(token_ids), self.block_size
         if n == 0:
             raise ValueError(f"cannot allocate sequence {seq_id!r} with no tokens")
-        hashes, hits = self._prefix_hits(token_ids)
+        hashes, k, hits = self._prefix_hits(token_ids)
         parent = hash(hashes[-1]) if hashes else None
-        num_needed = blocks_for(n, bs) - sum(1 for b in hits if self.refcount(b) > 0)
+        num_null = self.num_dead_blocks(k * bs)
+        num_needed = blocks_for(n, bs) - num_null - sum(1 for b in hits if self.refcount(b) > 0)
         if num_needed > self.num_free_blocks:
             raise OutOfBlocksError(f"cannot allocate sequence {seq_id!r} ({n} tokens): needs "
                                    f"{num_needed} blocks, {self.num_free_blocks} free")
         edit = _Edit(self)
         for block_id in hits:
             edit.acquire(block_id)
-        block_ids = list(hits)
-        for i in range(len(hits), blocks_for(n, bs)):
+        block_ids = [NULL_BLOCK_ID] * num_null + hits
+        for i in range(k, blocks_for(n, bs)):
             block_ids.append(edit.allocate_block())
             if i < len(hashes):
                 edit.cache(hashes[i], block_ids[-1])
         partial = tuple(token_ids[len(hashes) * bs:]) if self.enable_prefix_caching else ()
-        edit.seqs[seq_id] = _Seq(tuple(block_ids), n, False, parent, partial)
-        return edit.snapshot(), len(hits) * bs
+        edit.seqs[seq_id] = _Seq(tuple(block_ids), n, False, parent, partial, num_null)
+        return edit.snapshot(), k * bs
 
     def append(self, appends: Sequence[tuple[SeqId, int]]) -> tuple[BlockManager, DeviceOps]:
         """One more token slot for each running sequence (for the token whose K/V is written
         this step), in order: a new block when the last is full; copy-on-write when the last
         block is shared (the copy goes to the sequence that appends first). With prefix caching,
-        a block is cached the moment it becomes full."""
+        a block is cached the moment it becomes full. With a sliding window, every sequence's
+        blocks that slid out of the window of its new token's query are released first (all
+        sequences' releases before any allocation; the module docstring)."""
         check_unique([seq_id for seq_id, _ in appends])
         edit, bs, copy_pairs = _Edit(self), self.block_size, []
+        if self.sliding_window is not None:
+            for seq_id, _ in appends:
+                seq = _checked(edit.seqs.get(seq_id), seq_id, swapped=False)
+                if (num_null := self.num_dead_blocks(seq.num_tokens)) > seq.num_null:
+                    for block_id in seq.block_ids[seq.num_null:num_null]:
+                        edit.release(block_id)
+                    edit.seqs[seq_id] = seq._replace(
+                        block_ids=(NULL_BLOCK_ID,) * num_null + seq.block_ids[num_null:], num_null=num_null)
         for seq_id, token_id in appends:
             seq = _checked(edit.seqs.get(seq_id), seq_id, swapped=False)
             block_ids, parent, partial = seq.block_ids, seq.parent_hash, seq.partial_token_ids
@@ -267,18 +360,19 @@ class BlockManager:
                 partial += (token_id,)
                 if len(partial) == bs:
                     parent, partial = edit.cache((parent, partial), block_ids[-1]), ()
-            edit.seqs[seq_id] = _Seq(block_ids, seq.num_tokens + 1, False, parent, partial)
+            edit.seqs[seq_id] = _Seq(block_ids, seq.num_tokens + 1, False, parent, partial, seq.num_null)
         return edit.snapshot(), DeviceOps(copy_pairs=tuple(copy_pairs))
 
     def fork(self, parent_seq_id: SeqId, child_seq_id: SeqId) -> BlockManager:
-        """The child shares all of the parent's blocks (refcount + 1 each), in either pool."""
+        """The child shares all of the parent's blocks (refcount + 1 each), in either pool, and
+        its null entries."""
         if self.has(child_seq_id):
             raise ValueError(f"cannot fork {parent_seq_id!r} into {child_seq_id!r}: "
                              f"{child_seq_id!r} already exists")
         seq = self._seq(parent_seq_id)
         edit = _Edit(self)
         refcounts = edit.cpu_refcounts if seq.swapped else edit.refcounts
-        for block_id in seq.block_ids:
+        for block_id in seq.live:
             refcounts[block_id] += 1
         edit.seqs[child_seq_id] = seq
         return edit.snapshot()
@@ -290,7 +384,7 @@ class BlockManager:
         for seq_id in seq_ids:
             seq = _checked(edit.seqs.get(seq_id), seq_id)
             del edit.seqs[seq_id]
-            for block_id in reversed(seq.block_ids):
+            for block_id in reversed(seq.live):
                 edit.release(block_id, cpu=seq.swapped)
         return edit.snapshot()
 
@@ -307,7 +401,8 @@ class BlockManager:
         return edit.snapshot()
 
     def swap_out(self, seq_ids: Sequence[SeqId]) -> tuple[BlockManager, DeviceOps]:
-        """Move running sequences' blocks to the CPU pool; a block shared among them moves once."""
+        """Move running sequences' blocks to the CPU pool; a block shared among them moves once.
+        Null entries (sliding window) move nothing and stay null."""
         return self._swap(seq_ids, to_cpu=True)
 
     def swap_in(self, seq_ids: Sequence[SeqId]) -> tuple[BlockManager, DeviceOps]:
@@ -318,15 +413,15 @@ class BlockManager:
         edit, moved = _Edit(self), {}  # source block id -> destination block id
         for seq_id in seq_ids:
             seq = _checked(edit.seqs.get(seq_id), seq_id, swapped=not to_cpu)
-            for block_id in seq.block_ids:
+            for block_id in seq.live:
                 if block_id in moved:
                     edit.acquire(moved[block_id], cpu=to_cpu)
                 else:
                     moved[block_id] = edit.allocate_block(cpu=to_cpu)
-            for block_id in reversed(seq.block_ids):
+            for block_id in reversed(seq.live):
                 edit.release(block_id, cpu=not to_cpu)
-            edit.seqs[seq_id] = seq._replace(block_ids=tuple(moved[b] for b in seq.block_ids),
-                                             swapped=to_cpu)
+            block_ids = (NULL_BLOCK_ID,) * seq.num_null + tuple(moved[b] for b in seq.live)
+            edit.seqs[seq_id] = seq._replace(block_ids=block_ids, swapped=to_cpu)
         pairs = tuple(moved.items())
         return edit.snapshot(), DeviceOps(swap_out=pairs) if to_cpu else DeviceOps(swap_in=pairs)
 
@@ -338,11 +433,24 @@ class BlockManager:
         for seq_id, seq in self._seqs.to_dict().items():
             assert seq.num_tokens >= 1 and len(seq.block_ids) == blocks_for(seq.num_tokens, bs), (
                 f"sequence {seq_id!r}: {seq.num_tokens} tokens in {len(seq.block_ids)} blocks")
+            assert 0 <= seq.num_null <= self.num_dead_blocks(seq.num_tokens - 1), (
+                f"sequence {seq_id!r} of {seq.num_tokens} tokens released {seq.num_null} leading "
+                f"blocks, at most {self.num_dead_blocks(seq.num_tokens - 1)} are dead")
+            assert seq.block_ids[:seq.num_null] == (NULL_BLOCK_ID,) * seq.num_null, (
+                f"sequence {seq_id!r}: a released leading entry is not null: {seq.block_ids}")
+            assert seq.swapped or NULL_BLOCK_ID not in seq.live, (
+                f"sequence {seq_id!r}: a null entry follows a live one: {seq.block_ids}")
+            if seq.num_null == self.num_dead_blocks(seq.num_tokens - 1) and self.sliding_window is not None:
+                assert len(seq.live) <= self.max_window_blocks, (
+                    f"sequence {seq_id!r} holds {len(seq.live)} blocks, more than the window's "
+                    f"{self.max_window_blocks}")
             if self.enable_prefix_caching:
                 assert len(seq.partial_token_ids) == seq.num_tokens % bs, (
                     f"sequence {seq_id!r}: {len(seq.partial_token_ids)} tokens kept for hashing "
                     f"its partial block, {seq.num_tokens % bs} expected")
             for i, block_id in enumerate(seq.block_ids):
+                if i < seq.num_null:
+                    continue
                 entries[seq.swapped][block_id] += 1
                 here = (i, min(bs, seq.num_tokens - i * bs))
                 seen = fill.setdefault((seq.swapped, block_id), here)
@@ -363,6 +471,7 @@ class BlockManager:
             assert filled == bs, f"block {block_id} is cached with {filled}/{bs} slots filled"
 
     def stats(self) -> dict:
+        """Counts of blocks (null entries of windowed tables are not blocks in use)."""
         refcounts = self._refcounts.to_dict().values()
         return {
             "num_blocks": self.num_blocks,

@@ -19,6 +19,13 @@ Vocabulary: the device pool holds `num_blocks` blocks of `block_size` token slot
 the null block that is never handed out; a sequence's block table maps its logical blocks to
 physical block ids, and token `p` lives at slot `table[p // block_size] * block_size + p %
 block_size`.
+
+Sliding window (`KVCacheSpec.sliding_window`: W when every layer of the model attends only to its
+W most recent positions): a manager may release a sequence's leading blocks that no future query
+reads. Their table entries become null (NULL_BLOCK_ID on the device; a placeholder naming no CPU
+block while swapped out), so a table keeps its length ceil(n / block_size) and every position its
+logical index. A manager that does so has `num_null_blocks(seq_id)`; read it with the module's
+`num_null_blocks(manager, seq_id)` (0 for managers without it).
 """
 
 from __future__ import annotations
@@ -57,13 +64,15 @@ class DeviceOps:
 class KVCacheSpec:
     """What the engine knows when it builds a KV cache manager: the pools' sizes in blocks (the
     device pool's `num_blocks` counts the null block), the block size, whether prefix caching is
-    asked for, and the longest sequence the model runs."""
+    asked for, the longest sequence the model runs, and the sliding window W when every layer of
+    the model sees only its W most recent positions (None when any layer sees the whole context)."""
 
     num_blocks: int
     block_size: int
     num_cpu_blocks: int = 0
     enable_prefix_caching: bool = False
     max_model_len: Optional[int] = None
+    sliding_window: Optional[int] = None
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -76,26 +85,39 @@ def slot_ids(block_table: Sequence[int], start: int, end: int, block_size: int) 
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
+def num_null_blocks(manager: KVCacheManager, seq_id: SeqId) -> int:
+    """A sequence's leading block-table entries released by a sliding window (they name no block)."""
+    get = getattr(manager, "num_null_blocks", None)
+    return 0 if get is None else get(seq_id)
+
+
+def live_block_table(manager: KVCacheManager, seq_id: SeqId) -> list[tuple[int, int]]:
+    """(logical index, block id) of the entries of a sequence's block table that name a block."""
+    table = manager.block_table(seq_id)
+    return list(enumerate(table))[num_null_blocks(manager, seq_id):]
+
+
 def filled_slots(manager: KVCacheManager, *, swapped: bool = False) -> dict[int, int]:
     """Block id -> token slots holding K/V, for every device block (or, with `swapped`, CPU block)
-    named by a sequence's block table; a block shared by several tables is counted once (shared
-    blocks hold the same prefix)."""
+    named by a sequence's block table (null entries a sliding window released name none); a block
+    shared by several tables is counted once (shared blocks hold the same prefix)."""
     filled: dict[int, int] = {}
     bs = manager.block_size
     for seq_id in manager.seq_ids:
         if manager.is_swapped(seq_id) != swapped:
             continue
         n = manager.num_tokens(seq_id)
-        for j, block_id in enumerate(manager.block_table(seq_id)):
+        for j, block_id in live_block_table(manager, seq_id):
             filled[block_id] = max(filled.get(block_id, 0), min(bs, n - j * bs))
     return filled
 
 
 def kv_utilization(manager: KVCacheManager) -> Optional[float]:
     """Token slots holding K/V over the slots of the device blocks in use (a block shared by several
-    tables counts once; a manager that reserves blocks ahead counts them as in use); None when no
-    block is in use."""
-    used = manager.num_blocks - 1 - manager.num_free_blocks
+    tables counts once; a null entry is no block in use; a manager that reserves blocks ahead counts
+    them as in use); None when no block is in use. Every data-parallel partition's null block is
+    left out of the pool."""
+    used = manager.num_blocks - getattr(manager, "num_partitions", 1) - manager.num_free_blocks
     if not used:
         return None
     return sum(filled_slots(manager).values()) / (used * manager.block_size)
@@ -107,8 +129,9 @@ class KVCacheManager(Protocol):
 
     Invariant every implementation keeps: a running sequence of n tokens has a block table whose
     first ceil(n / block_size) entries name the blocks holding its tokens, and `slot_mapping`
-    addresses them; block 0 (null) is never in a table. `check_invariants` asserts the rest of
-    an implementation's own invariants.
+    addresses them; block 0 (null) is never in a table, except as the leading entries a sliding
+    window released (`num_null_blocks`: those positions are never read again). `check_invariants`
+    asserts the rest of an implementation's own invariants.
     """
 
     @property
@@ -129,7 +152,8 @@ class KVCacheManager(Protocol):
     def has(self, seq_id: SeqId) -> bool: ...
 
     def block_table(self, seq_id: SeqId) -> tuple[int, ...]:
-        """Physical block ids in logical order (CPU block ids while swapped out)."""
+        """Physical block ids in logical order (CPU block ids while swapped out), the first
+        `num_null_blocks(self, seq_id)` of them null."""
 
     def num_tokens(self, seq_id: SeqId) -> int: ...
 

@@ -11,6 +11,11 @@ device operations are *global* ids here; the device side turns them into each ra
 Placement is the scheduler's: `allocate(..., rank=)` puts a new sequence on a rank (chosen with
 `allocation_cost`, which counts each rank's prefix cache); `rank_of` says where a sequence lives. Invariants (`check_invariants`): every partition's own, and every sequence
 in exactly one partition. An immutable snapshot, like `BlockManager`.
+
+With a sliding window every partition releases blocks that slid out of it (`BlockManager`'s module
+docstring); a released entry of a running sequence's global table is its rank's null block
+(global id r * P, local 0), and `num_null_blocks` says how many leading entries are released (while
+swapped out they are placeholders naming no CPU block).
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ class PartitionedBlockManager:
 
     @classmethod
     def create(cls, num_partitions: int, blocks_per_partition: int, block_size: int, *,
-               cpu_blocks_per_partition: int = 0, enable_prefix_caching: bool = False) -> PartitionedBlockManager:
+               cpu_blocks_per_partition: int = 0, enable_prefix_caching: bool = False,
+               sliding_window: int | None = None) -> PartitionedBlockManager:
         part = BlockManager.create(blocks_per_partition, block_size, num_cpu_blocks=cpu_blocks_per_partition,
-                                   enable_prefix_caching=enable_prefix_caching)
+                                   enable_prefix_caching=enable_prefix_caching, sliding_window=sliding_window)
         return cls((part,) * num_partitions)
 
     @classmethod
@@ -43,7 +49,7 @@ class PartitionedBlockManager:
                              f"{num_partitions} partitions")
         return cls.create(num_partitions, spec.num_blocks // num_partitions, spec.block_size,
                           cpu_blocks_per_partition=spec.num_cpu_blocks // num_partitions,
-                          enable_prefix_caching=spec.enable_prefix_caching)
+                          enable_prefix_caching=spec.enable_prefix_caching, sliding_window=spec.sliding_window)
 
     # ---- geometry ----------------------------------------------------------------------------
     @property
@@ -62,6 +68,10 @@ class PartitionedBlockManager:
     @property
     def block_size(self) -> int:
         return self.partitions[0].block_size
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.partitions[0].sliding_window
 
     @property
     def num_cpu_blocks(self) -> int:
@@ -100,6 +110,10 @@ class PartitionedBlockManager:
 
     def num_tokens(self, seq_id: SeqId) -> int:
         return self._part(seq_id)[1].num_tokens(seq_id)
+
+    def num_null_blocks(self, seq_id: SeqId) -> int:
+        """Leading block-table entries the sliding window released."""
+        return self._part(seq_id)[1].num_null_blocks(seq_id)
 
     def is_swapped(self, seq_id: SeqId) -> bool:
         return self._part(seq_id)[1].is_swapped(seq_id)

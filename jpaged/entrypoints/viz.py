@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from jpaged.core.kv_cache_manager import NULL_BLOCK_ID, DeviceOps, KVCacheManager, blocks_for, filled_slots, \
-    kv_utilization
+    kv_utilization, live_block_table, num_null_blocks
 
 FREE_COLOR = "white"
 NULL_COLOR = "0.85"
@@ -85,11 +85,12 @@ class _Views(list):
 
 def sharing_summary(kv: KVCacheManager, seq_ids: Optional[Sequence] = None) -> dict:
     """Device blocks the running sequences (or `seq_ids`) hold: `held` (distinct blocks in their
-    tables: what the pool really spends), `unshared` (the sum of ceil(num_tokens / block_size): each
-    with a private copy) and `saved` = 1 - held / unshared (0.0 with nothing held)."""
+    tables: what the pool really spends), `unshared` (the sum of ceil(num_tokens / block_size), less
+    the null entries a sliding window released: each with a private copy) and `saved` = 1 - held /
+    unshared (0.0 with nothing held)."""
     seq_ids = [s for s in (kv.seq_ids if seq_ids is None else seq_ids) if not kv.is_swapped(s)]
-    held = len({b for s in seq_ids for b in kv.block_table(s)})
-    unshared = sum(blocks_for(kv.num_tokens(s), kv.block_size) for s in seq_ids)
+    held = len({b for s in seq_ids for _, b in live_block_table(kv, s)})
+    unshared = sum(blocks_for(kv.num_tokens(s), kv.block_size) - num_null_blocks(kv, s) for s in seq_ids)
     return dict(held=held, unshared=unshared, saved=1.0 - held / unshared if unshared else 0.0)
 
 
@@ -127,16 +128,18 @@ def _draw_logical(ax, v: KVView, show_tokens: bool) -> None:
     for row, seq_id in enumerate(seqs):
         y = -row * 1.6
         n, table, swapped = kv.num_tokens(seq_id), kv.block_table(seq_id), kv.is_swapped(seq_id)
+        num_null = num_null_blocks(kv, seq_id)  # released by a sliding window: drawn empty, "null"
         tokens = v.tokens.get(seq_id, ())
         ax.text(-0.4, y + 0.5, v.names.get(seq_id, str(seq_id)), ha="right", va="center", fontsize=8)
         for j, block_id in enumerate(table):
             x0 = j * (bs + 1)
             for k in range(bs):
                 p = j * bs + k
-                ax.add_patch(_rect((x0 + k, y), _color(seq_id) if p < n else FREE_COLOR, alpha=0.55))
+                face = NULL_COLOR if j < num_null else _color(seq_id) if p < n else FREE_COLOR
+                ax.add_patch(_rect((x0 + k, y), face, alpha=0.55))
                 if show_tokens and p < min(n, len(tokens)):
                     ax.text(x0 + k + 0.5, y + 0.5, _short(tokens[p]), ha="center", va="center", fontsize=5.5)
-            label = f"{'cpu ' if swapped else '#'}{block_id} ({min(bs, n - j * bs)}/{bs})"
+            label = "null" if j < num_null else f"{'cpu ' if swapped else '#'}{block_id} ({min(bs, n - j * bs)}/{bs})"
             ax.text(x0 + bs / 2, y + 1.08, label, ha="center", va="bottom", fontsize=6.5,
                     color="tab:purple" if swapped else "black")
     ax.set_xlim(-0.2, width * (bs + 1))
@@ -148,7 +151,8 @@ def _num_device_blocks(kv: KVCacheManager, max_blocks: Optional[int], columns: i
     """The device blocks to draw: the first `max_blocks`, by default every row up to the highest
     block id a block table names."""
     if max_blocks is None:
-        highest = max((b for s in kv.seq_ids if not kv.is_swapped(s) for b in kv.block_table(s)), default=0)
+        highest = max((b for s in kv.seq_ids if not kv.is_swapped(s) for _, b in live_block_table(kv, s)),
+                      default=0)
         max_blocks = columns * (highest // columns + 1)
     return min(kv.num_blocks, max_blocks)
 
@@ -175,7 +179,7 @@ def _draw_pool(ax, v: KVView, show_tokens: bool, max_blocks: Optional[int], colu
         first_pos: dict[int, tuple] = {}
         for seq_id in kv.seq_ids:
             if kv.is_swapped(seq_id) == swapped:
-                for j, b in enumerate(kv.block_table(seq_id)):
+                for j, b in live_block_table(kv, seq_id):
                     holders.setdefault(b, []).append(seq_id)
                     first_pos.setdefault(b, (seq_id, j))
         ax.text(-0.3, y0 + 0.5, name, ha="right", va="center", fontsize=8, weight="bold")
@@ -279,9 +283,10 @@ def draw_sharing_tree(v: KVView, seq_ids: Optional[Sequence] = None, ax=None):
     roots: list = []
     for s in seq_ids:
         table = kv.block_table(s)
-        for j, b in enumerate(table):
+        first = num_null_blocks(kv, s)  # a sliding window's null entries are no nodes
+        for j, b in live_block_table(kv, s):
             holders.setdefault(b, []).append(s)
-            parent = table[j - 1] if j else None
+            parent = table[j - 1] if j > first else None
             kids = children.setdefault(parent, [])
             if b not in kids:
                 kids.append(b)
@@ -310,7 +315,7 @@ def draw_sharing_tree(v: KVView, seq_ids: Optional[Sequence] = None, ax=None):
     bs = kv.block_size
     depth = {}
     for s in seq_ids:
-        for j, b in enumerate(kv.block_table(s)):
+        for j, b in live_block_table(kv, s):
             depth[b] = j
     for b, y in ys.items():
         x = depth[b] * 3.0
