@@ -17,11 +17,9 @@ runner either way: a cache hit still counts.)
 
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,20 +32,12 @@ if str(REPO_ROOT) not in sys.path:  # `bench` is a plain directory at the reposi
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.traces import load_alpaca_prompts  # noqa: E402
+from workers import enable_compilation_cache  # noqa: E402
 
 LLM_NUM_BLOCKS = 256
 
 
-def _enable_compilation_cache() -> None:
-    setting = os.environ.get("JPAGED_JAX_CACHE", "")
-    if setting == "0":
-        return
-    jax.config.update("jax_compilation_cache_dir", setting or str(REPO_ROOT / ".jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-_enable_compilation_cache()
+enable_compilation_cache()
 
 
 def scattered_blocks(seed: int):
@@ -56,7 +46,8 @@ def scattered_blocks(seed: int):
     def build(spec):
         order = np.random.default_rng(seed).permutation(np.arange(1, spec.num_blocks)).tolist()
         return BlockManager.create(spec.num_blocks, spec.block_size, num_cpu_blocks=spec.num_cpu_blocks,
-                                   enable_prefix_caching=spec.enable_prefix_caching, free_block_ids=order)
+                                   enable_prefix_caching=spec.enable_prefix_caching, free_block_ids=order,
+                                   sliding_window=spec.sliding_window)
     return build
 
 

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import io
 import json
-import os
 import pathlib
 import re
 import sys
@@ -41,6 +40,7 @@ from jpaged.device.sharding import ShardingStrategy, make_mesh, tensor_parallel 
 from jpaged.device.attention import get_backend, native  # noqa: E402
 from jpaged.engine import EngineConfig, llm_engine  # noqa: E402
 from jpaged.entrypoints import cli  # noqa: E402
+from workers import enable_compilation_cache  # noqa: E402
 
 SYSTEM = ("You are a careful assistant. Answer in one short sentence, with no preamble, and never repeat "
           "the question. ")
@@ -55,14 +55,6 @@ PARAMS = [GREEDY] * 6 + [SamplingParams(beam_width=2, temperature=0, max_tokens=
 # each token depends on the tokens before it alone), beam search as in PARAMS (its result depends on max_tokens)
 SHORT = [p if p.beam_width > 1 else dataclasses.replace(p, max_tokens=min(p.max_tokens, 8)) for p in PARAMS]
 SWAP = {"num_blocks": 10, "preemption_mode": "swap", "swap_space": 0.05}  # prefix caching on, as every engine_run
-
-
-def _cache():
-    setting = os.environ.get("JPAGED_JAX_CACHE", "")
-    if setting != "0":
-        jax.config.update("jax_compilation_cache_dir", setting or str(REPO_ROOT / ".jax_cache"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def tokens(outs):
@@ -139,7 +131,7 @@ def config_error(**kwargs) -> str:
 
 
 def main() -> None:
-    _cache()
+    enable_compilation_cache()
     result = {"num_devices": jax.device_count()}
     model = weights.load_model(None, dtype=jnp.float32)
     for mode in ("recompute", "swap"):
@@ -200,7 +192,7 @@ def main() -> None:
 def process_main(address: str, num_processes: int, process_id: int) -> None:
     """One process of `num_processes` running one engine over all their devices (see the module docstring)."""
     distributed.initialize(address, num_processes, process_id, initialization_timeout=120)
-    _cache()
+    enable_compilation_cache()
     model = weights.load_model(None, dtype=jnp.float32)
     first = process_id == 0  # process 0 gives the requests; the others' are ignored (broadcast from process 0)
     llm, result = engine_run(model, PROMPTS if first else [], SHORT if first else None, data_parallel_size=2,

@@ -68,7 +68,7 @@ def paged_prefill_logits(params, config, token_id_lists, *, block_size: int, see
     @jax.jit
     def run(params, cache, inputs):
         cache, hidden = forward(params, cache, inputs, config=config, backend=XLABackend())
-        return compute_logits(params, hidden)
+        return compute_logits(params, hidden, config=config)
 
     logits = np.asarray(run(params, cache, inputs))
     starts = np.cumsum([0] + lengths)

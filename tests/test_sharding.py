@@ -16,24 +16,21 @@ on 6 devices.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import socket
 import subprocess
 import sys
-import tempfile
-import time
 
 import pytest
+
+from workers import run_workers, worker_env
 
 WORKER = pathlib.Path(__file__).with_name("sharding_worker.py")
 
 
 @pytest.fixture(scope="module")
 def seen():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=6",
-           "PYTHONPATH": os.pathsep.join([str(WORKER.parent.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, env=worker_env(6), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["num_devices"] == 6
@@ -45,28 +42,8 @@ def two_processes():
     with socket.socket() as s:  # a free port for process 0's coordinator
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3",
-           "PYTHONPATH": os.pathsep.join([str(WORKER.parent.parent), os.environ.get("PYTHONPATH", "")])}
-    # output to files, not pipes: a process blocked on a full pipe would leave the other waiting in a collective
-    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--process", f"127.0.0.1:{port}", "2", str(i)],
-                              stdout=out, stderr=err, text=True, env=env) for i, (out, err) in enumerate(logs)]
-    deadline, results = time.monotonic() + 400, []
-    try:
-        for proc, (out, err) in zip(procs, logs):
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            out.seek(0), err.seek(0)
-            assert proc.returncode == 0, err.read()[-4000:]
-            results.append(json.loads(out.read().strip().splitlines()[-1]))
-    finally:
-        for proc in procs:  # a hang (a process waiting for the other) never stalls the suite
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for files in logs:
-            for f in files:
-                f.close()
-    return results
+    argvs = [[str(WORKER), "--process", f"127.0.0.1:{port}", "2", str(i)] for i in range(2)]
+    return run_workers(argvs, worker_env(3), timeout=400)
 
 
 def test_two_processes_give_one_processes_tokens(seen, two_processes):

@@ -1,16 +1,79 @@
-"""Static configuration: frozen, hashable dataclasses (safe to close over in `jax.jit`)."""
+"""Static configuration: frozen, hashable dataclasses (safe to close over in `jax.jit`).
+
+`ModelConfig` describes one decoder-only transformer, and every family jpaged runs (Llama, Qwen,
+Mistral, Gemma, Phi-3) is a set of values of its fields, not a forward pass of its own: the shapes,
+then the family's *declarations* (how a layer normalizes, its biases and q/k norms, its RoPE, its
+activation, its attention options, its per-layer sliding windows). `jpaged.weights.families`
+reads HF configs into it; `jpaged.device.model.forward` is the one decoder that honours it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE scaling rule, as HF transformers' `rope_parameters` spell it (`rope_type` and its keys).
+
+    linear:  positions divided by `factor` (inverse frequencies / factor).
+    llama3:  Llama 3.1's per-frequency rule (`low_freq_factor`, `high_freq_factor`,
+             `original_max_position_embeddings`).
+    yarn:    YaRN (`beta_fast`, `beta_slow`, `original_max_position_embeddings`, `attention_factor`
+             or the `mscale` pair, `truncate`): blended frequencies, cos/sin scaled by the attention factor.
+    dynamic: dynamic NTK: the base grows with the sequence once it passes `max_position_embeddings`
+             (HF's rule, computed per row from the row's length this step).
+    """
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: Optional[int] = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: Optional[float] = None
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES[1:]:
+            raise ValueError(f"RoPE scaling type {self.rope_type!r} is not supported (supported: "
+                             f"{', '.join(ROPE_TYPES[1:])})")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder. Every field is static under `jit`.
+    """A decoder-only transformer. Every field is static under `jit`; the defaults are Llama's.
 
-    Invariants: `num_heads % num_kv_heads == 0` (grouped-query attention: query head h reads
-    KV head `h // (num_heads // num_kv_heads)`).
+    Shapes: `num_heads % num_kv_heads == 0` (grouped-query attention: query head h reads KV head
+    `h // (num_heads // num_kv_heads)`); `head_dim` may differ from `hidden_size / num_heads`.
+
+    Family declarations:
+      architecture          the HF `model_type` the model came from (names it in messages)
+      rope_theta, rope_scaling   RoPE's base and scaling rule (`RopeScaling`, None: plain RoPE)
+      local_rope_theta      the base of the sliding-window layers where it differs (Gemma 3); they
+                            are never scaled
+      layer_windows         per layer, its sliding window W (the query at position p sees the keys at
+                            p - W < k <= p, HF's mask) or None (full attention); () = all full
+      attention_bias        biases on q, k and v (Qwen2)
+      qk_norm               RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
+      norm_offset           RMSNorm scales by (norm_offset + w) (Gemma: 1.0), in float32
+      sandwich_norms        norms after attention and after the MLP too, before each residual add
+                            (Gemma 2 and 3: their weights are `post_attn_norm`, `post_mlp_norm`)
+      activation            the gated MLP's activation: 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU)
+      embedding_scale       embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+      query_pre_attn_scalar attention scores are scaled by its -1/2 power (default: head_dim's)
+      attn_logit_softcap    scores become c * tanh(s / c) before the mask and softmax (Gemma 2)
+      final_logit_softcap   the same on the output logits (Gemma 2)
     """
 
     vocab_size: int
@@ -26,12 +89,137 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"
+    rope_scaling: Optional[RopeScaling] = None
+    local_rope_theta: Optional[float] = None
+    layer_windows: tuple[Optional[int], ...] = ()
+    attention_bias: bool = False
+    qk_norm: bool = False
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    activation: str = "silu"
+    embedding_scale: float = 1.0
+    query_pre_attn_scalar: Optional[float] = None
+    attn_logit_softcap: Optional[float] = None
+    final_logit_softcap: Optional[float] = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even (RoPE rotates pairs)")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+        if any(w is not None and w < 1 for w in self.layer_windows):
+            raise ValueError(f"sliding windows must be >= 1 (got {self.layer_windows})")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence the model runs: `max_position_embeddings`, times the factor of a
+        dynamic NTK RoPE (which stretches the positions it was trained on, as vLLM counts it)."""
+        if self.rope_scaling is not None and self.rope_scaling.rope_type == "dynamic":
+            return int(self.max_position_embeddings * self.rope_scaling.factor)
+        return self.max_position_embeddings
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q.k: query_pre_attn_scalar ** -0.5, else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def windows(self) -> tuple[Optional[int], ...]:
+        """Each layer's sliding window (None: full attention)."""
+        return self.layer_windows or (None,) * self.num_layers
+
+    @property
+    def has_windows(self) -> bool:
+        return any(w is not None for w in self.windows)
+
+    @property
+    def kv_window(self) -> Optional[int]:
+        """The window beyond which no layer looks back, when every layer is windowed (Mistral): blocks
+        wholly before a sequence's last `kv_window` positions are dead for every layer and may go
+        back to the pool. None when a layer attends to the whole context (then every block is live)."""
+        windows = self.windows
+        return None if any(w is None for w in windows) else max(windows)
+
+    def layer_rope(self, layer: int) -> tuple[float, Optional[RopeScaling]]:
+        """(base, scaling) of layer `layer`'s RoPE."""
+        if self.local_rope_theta is not None and self.windows[layer] is not None:
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (what checkpoints and snapshots record)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> ModelConfig:
+        """The inverse of `to_dict` (lists back to tuples, the scaling rule back to a `RopeScaling`).
+        Raises TypeError / ValueError on unknown or malformed fields."""
+        fields = dict(fields)
+        fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+        fields["layer_windows"] = tuple(fields.get("layer_windows", ()))
+        if fields.get("rope_scaling") is not None:
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        return cls(**fields)
+
+
+# ---------------------------------------------------------------- RoPE frequencies (host side, numpy)
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling], *,
+                  max_position_embeddings: int) -> tuple[np.ndarray, float]:
+    """(inverse frequencies f32[head_dim / 2], attention factor) of one layer's RoPE, as HF's
+    `ROPE_INIT_FUNCTIONS` compute them. For 'dynamic' these are the frequencies at or below
+    `max_position_embeddings` tokens; `dynamic_base` gives the grown base past it."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+    inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
+    if scaling is None or scaling.rope_type == "dynamic":
+        return inv_freq, 1.0
+    s = scaling
+    if s.rope_type == "linear":
+        return (inv_freq / np.float32(s.factor)).astype(np.float32), 1.0
+    if s.rope_type == "llama3":
+        original = s.original_max_position_embeddings or max_position_embeddings
+        low_wavelen, high_wavelen = original / s.low_freq_factor, original / s.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+        smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    # yarn
+    original = s.original_max_position_embeddings or max_position_embeddings
+    factor = s.factor
+
+    def get_mscale(scale, mscale=1.0):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = s.attention_factor
+    if attention_factor is None:
+        if s.mscale and s.mscale_all_dim:
+            attention_factor = float(get_mscale(factor, s.mscale) / get_mscale(factor, s.mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+
+    def correction_dim(rotations):
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    pos_freqs = np.float32(theta) ** (np.arange(0, head_dim, 2).astype(np.float32) / head_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32), float(attention_factor)

@@ -1,12 +1,20 @@
-"""The Llama decoder as pure functions over `LlamaParams`, reading and writing a paged `KVCache`.
+"""The decoder of every family, as pure functions over `LlamaParams`, reading and writing a paged `KVCache`.
 
 `forward(params, cache, inputs, config=, backend=) -> (cache, hidden)` runs every layer in one
 `lax.scan` over the stacked layer parameters. The KV pool rides in the scan *carry* (never as
 scanned inputs/outputs, which would copy the whole pool every step) and is updated in place at
 the traced layer index: with the cache donated, a step writes only its new tokens' K/V.
 
-Math follows HF transformers' `LlamaForCausalLM`: RMSNorm (computed in float32), rotate-half RoPE,
-grouped-query attention, SwiGLU MLP, tied or untied LM head.
+One decoder, the families as data (`jpaged.device.config.ModelConfig`): what differs between
+layers of one model (Gemma's local and global layers: their sliding window and RoPE base) rides in
+the scan as per-layer arrays, not as Python branches, so every layer stays one scanned body; what
+differs between families (biases, q/k norms, norm offset, sandwich norms, activation, soft-caps,
+embedding scale) is static configuration, and a family without it compiles none of it.
+
+Math follows HF transformers' modeling files (`LlamaForCausalLM`, `Qwen2`/`Qwen3`, `Mistral`,
+`Gemma2`/`Gemma3ForCausalLM`, `Phi3`): RMSNorm computed in float32, rotate-half RoPE (with the
+scaling rules of `ModelConfig.rope_scaling`), grouped-query attention, a gated MLP, tied or untied
+LM head.
 
 `sequence_logits(params, sequences, config=)` runs the same forward over whole token sequences
 (teacher forcing, through a scratch pool of their own): a differentiable function of the
@@ -20,32 +28,64 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jpaged.device.attention.xla import XLABackend
+from jpaged.device.attention.xla import FULL_WINDOW, XLABackend
 from jpaged.device.batch import ModelInputs, pack_rows
-from jpaged.device.config import ModelConfig
+from jpaged.device.config import ModelConfig, rope_inv_freq
 from jpaged.device.kv_cache import KVCache
 from jpaged.device.params import LlamaParams
 
 _SCRATCH_BLOCK_SIZE = 16
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
-def rms_norm(x, weight, eps):
+def rms_norm(x, weight, eps, offset: float = 0.0):
+    """RMSNorm over the last axis, in float32, scaled by (offset + weight) (Gemma: offset 1)."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+    return (x32 * (offset + weight.astype(jnp.float32))).astype(x.dtype)
 
 
-def rope(x, positions, theta):
-    """Rotate-half RoPE. x f[N, heads, D], positions i32[N]."""
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [N, D/2]
-    cos = jnp.concatenate([jnp.cos(freqs)] * 2, axis=-1)[:, None, :]
-    sin = jnp.concatenate([jnp.sin(freqs)] * 2, axis=-1)[:, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+def _row_lengths(inputs: ModelInputs):
+    """i32[N]: the context length (after this step) of each packed token's row (padding: 0)."""
+    real = inputs.context_lens > 0
+    row_end = jnp.where(real, inputs.logits_index, jnp.iinfo(jnp.int32).max)  # real rows first, ascending
+    row = jnp.searchsorted(row_end, jnp.arange(inputs.token_ids.shape[0]), side="left")
+    return jnp.where(row < row_end.shape[0], inputs.context_lens[jnp.minimum(row, row_end.shape[0] - 1)], 0)
+
+
+def rope_tables(config: ModelConfig, inputs: ModelInputs):
+    """cos, sin f32[R, N, head_dim] for the step's packed tokens under each of the model's R distinct
+    RoPEs (R = 1, or 2 where the sliding layers have their own base), and i32[L]: each layer's RoPE."""
+    ropes = sorted({config.layer_rope(layer) for layer in range(config.num_layers)}, key=repr)
+    layer_rope = np.asarray([ropes.index(config.layer_rope(layer)) for layer in range(config.num_layers)], np.int32)
+    positions = inputs.positions.astype(jnp.float32)
+    tables = []
+    for theta, scaling in ropes:
+        inv_freq, attention_factor = rope_inv_freq(config.head_dim, theta, scaling,
+                                                   max_position_embeddings=config.max_position_embeddings)
+        if scaling is not None and scaling.rope_type == "dynamic":
+            # dynamic NTK (HF's rule): the base grows with the row's length past max_position_embeddings
+            dim, max_len = config.head_dim, config.max_position_embeddings
+            seq_len = jnp.maximum(_row_lengths(inputs), max_len).astype(jnp.float32)
+            base = theta * ((scaling.factor * seq_len / max_len) - (scaling.factor - 1)) ** (dim / (dim - 2))
+            exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+            freqs = positions[:, None] / (base[:, None] ** exponents)
+        else:
+            freqs = positions[:, None] * jnp.asarray(inv_freq)  # [N, D/2]
+        emb = jnp.concatenate([freqs, freqs], axis=-1)
+        tables.append((jnp.cos(emb) * attention_factor, jnp.sin(emb) * attention_factor))
+    cos, sin = (jnp.stack(t) for t in zip(*tables))
+    return cos, sin, layer_rope
+
+
+def apply_rope(x, cos, sin):
+    """Rotate-half RoPE. x f[N, heads, D]; cos, sin f32[N, D]."""
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+    return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
 
 
 def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config: ModelConfig, backend):
@@ -53,38 +93,53 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
 
     Returns (cache, hidden f[N, hidden]), one hidden state per packed token.
     """
-    scale = config.head_dim ** -0.5
+    c = config
+    norm = lambda x, w: rms_norm(x, w, c.rms_norm_eps, c.norm_offset)  # noqa: E731
+    activation = _ACTIVATIONS[c.activation]
     x = params.embed[inputs.token_ids]
+    if c.embedding_scale != 1.0:
+        x = x * jnp.asarray(c.embedding_scale, x.dtype)
+    cos, sin, layer_rope = rope_tables(c, inputs)
+    windows = np.asarray([FULL_WINDOW if w is None else w for w in c.windows], np.int32)
 
     def layer(carry, layer_inputs):
         x, pool = carry
-        p, layer_id = layer_inputs
-        h = rms_norm(x, p.attn_norm, config.rms_norm_eps)
-        q = rope(jnp.einsum("th,hnd->tnd", h, p.wq), inputs.positions, config.rope_theta)
-        k = rope(jnp.einsum("th,hnd->tnd", h, p.wk), inputs.positions, config.rope_theta)
-        v = jnp.einsum("th,hnd->tnd", h, p.wv)
+        p, layer_id, rope_id, window = layer_inputs
+        h = norm(x, p.attn_norm)
+        q, k, v = (jnp.einsum("th,hnd->tnd", h, w) for w in (p.wq, p.wk, p.wv))
+        if c.attention_bias:
+            q, k, v = q + p.bq, k + p.bk, v + p.bv
+        if c.qk_norm:
+            q, k = norm(q, p.q_norm), norm(k, p.k_norm)
+        q, k = apply_rope(q, cos[rope_id], sin[rope_id]), apply_rope(k, cos[rope_id], sin[rope_id])
         pool = backend.write_kv(pool, layer_id, k, v, inputs.slot_mapping)
-        attn = backend.attend(q, pool, layer_id, inputs, scale)
-        x = x + jnp.einsum("tnd,ndh->th", attn, p.wo)
-        h = rms_norm(x, p.mlp_norm, config.rms_norm_eps)
+        attn = backend.attend(q, pool, layer_id, inputs, c.attention_scale,
+                              window=window if c.has_windows else None, softcap=c.attn_logit_softcap)
+        out = jnp.einsum("tnd,ndh->th", attn, p.wo)
+        x = x + (norm(out, p.post_attn_norm) if c.sandwich_norms else out)
+        h = norm(x, p.mlp_norm)
         gate = jnp.einsum("th,hi->ti", h, p.w_gate)
         up = jnp.einsum("th,hi->ti", h, p.w_up)
-        x = x + jnp.einsum("ti,ih->th", jax.nn.silu(gate) * up, p.w_down)
+        out = jnp.einsum("ti,ih->th", activation(gate) * up, p.w_down)
+        x = x + (norm(out, p.post_mlp_norm) if c.sandwich_norms else out)
         return (x, pool), None
 
-    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    (x, pool), _ = jax.lax.scan(layer, (x, cache.kv), (params.layers, layer_ids))
-    x = rms_norm(x, params.final_norm, config.rms_norm_eps)
+    layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+    (x, pool), _ = jax.lax.scan(layer, (x, cache.kv), (params.layers, layer_ids, layer_rope, windows))
+    x = norm(x, params.final_norm)
     return KVCache(kv=pool), x
 
 
-def compute_logits(params: LlamaParams, hidden) -> jax.Array:
-    """hidden f[..., hidden] -> float32 logits f[..., vocab]."""
+def compute_logits(params: LlamaParams, hidden, *, config: ModelConfig) -> jax.Array:
+    """hidden f[..., hidden] -> float32 logits f[..., vocab] (soft-capped where the family caps them)."""
     if params.lm_head is None:
         logits = jnp.einsum("...h,vh->...v", hidden, params.embed)
     else:
         logits = jnp.einsum("...h,hv->...v", hidden, params.lm_head)
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    if config.final_logit_softcap is not None:
+        logits = jnp.tanh(logits / config.final_logit_softcap) * config.final_logit_softcap
+    return logits
 
 
 class _Row(NamedTuple):  # the fields of `jpaged.device.batch.pack_rows`'s rows
@@ -112,4 +167,4 @@ def sequence_logits(params: LlamaParams, sequences: Sequence[Sequence[int]], *, 
     cache = KVCache.create(config, next_block, bs, params.embed.dtype)
     _, hidden = forward(params, cache, inputs, config=config, backend=backend or XLABackend())
     starts = [0, *itertools.accumulate(len(ids) for ids in sequences)]
-    return [compute_logits(params, hidden[a:b]) for a, b in zip(starts, starts[1:])]
+    return [compute_logits(params, hidden[a:b], config=config) for a, b in zip(starts, starts[1:])]

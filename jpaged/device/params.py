@@ -1,5 +1,8 @@
 """Model parameters as typed pytrees (flax.struct dataclasses), never dicts.
 
+One layout serves every family (`jpaged.device.config.ModelConfig`); the leaves a family lacks
+are None (absent from the pytree). `param_shapes(config)` is the one statement of the layout.
+
 Layout (heads are an explicit axis everywhere, so sharding over heads is a layout change):
   embed       f[vocab, hidden]
   layers      LayerParams, every leaf stacked with a leading `num_layers` axis:
@@ -12,6 +15,12 @@ Layout (heads are an explicit axis everywhere, so sharding over heads is a layou
     w_gate    f[L, hidden, intermediate]
     w_up      f[L, hidden, intermediate]
     w_down    f[L, intermediate, hidden]
+    bq        f[L, num_heads, head_dim]     q/k/v biases      (attention_bias: Qwen2)
+    bk, bv    f[L, num_kv_heads, head_dim]
+    q_norm    f[L, head_dim]                per-head q/k RMSNorm (qk_norm: Qwen3, Gemma 3)
+    k_norm    f[L, head_dim]
+    post_attn_norm f[L, hidden]             after attention / the MLP (sandwich_norms: Gemma 2, 3)
+    post_mlp_norm  f[L, hidden]
   final_norm  f[hidden]
   lm_head     f[hidden, vocab], or None when the embeddings are tied (logits = h @ embed.T)
 
@@ -21,6 +30,7 @@ is undone by the loader.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import jax
@@ -39,40 +49,79 @@ class LayerParams:
     w_gate: jax.Array
     w_up: jax.Array
     w_down: jax.Array
+    bq: Optional[jax.Array] = None
+    bk: Optional[jax.Array] = None
+    bv: Optional[jax.Array] = None
+    q_norm: Optional[jax.Array] = None
+    k_norm: Optional[jax.Array] = None
+    post_attn_norm: Optional[jax.Array] = None
+    post_mlp_norm: Optional[jax.Array] = None
 
 
 @struct.dataclass
 class LlamaParams:
+    """The decoder's parameters (every family's: the name is the first family's)."""
+
     embed: jax.Array
     layers: LayerParams
     final_norm: jax.Array
     lm_head: Optional[jax.Array] = None
 
 
+NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm", "final_norm")
+
+
+def param_shapes(config) -> LlamaParams:
+    """The layout above for `config`: a `LlamaParams` whose leaves are shape tuples (None where the
+    family has no such leaf)."""
+    c = config
+    L, h, i, nh, nkv, d = c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
+    bias, qk, sandwich = c.attention_bias, c.qk_norm, c.sandwich_norms
+    layers = LayerParams(
+        attn_norm=(L, h), wq=(L, h, nh, d), wk=(L, h, nkv, d), wv=(L, h, nkv, d), wo=(L, nh, d, h),
+        mlp_norm=(L, h), w_gate=(L, h, i), w_up=(L, h, i), w_down=(L, i, h),
+        bq=(L, nh, d) if bias else None, bk=(L, nkv, d) if bias else None, bv=(L, nkv, d) if bias else None,
+        q_norm=(L, d) if qk else None, k_norm=(L, d) if qk else None,
+        post_attn_norm=(L, h) if sandwich else None, post_mlp_norm=(L, h) if sandwich else None)
+    return LlamaParams(embed=(c.vocab_size, h), layers=layers, final_norm=(h,),
+                       lm_head=None if c.tie_word_embeddings else (h, c.vocab_size))
+
+
+def _shape_leaves(shapes: LlamaParams):
+    return jax.tree_util.tree_leaves_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def abstract_params(config, dtype=jnp.float32) -> LlamaParams:
+    """`param_shapes` as `jax.ShapeDtypeStruct`s of `dtype` (restore targets, shape checks)."""
+    return jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype), param_shapes(config),
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
 def num_params(config) -> int:
     """Parameters of a model of this configuration (the layout above)."""
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    per_layer = 2 * h + 2 * h * config.num_heads * d + 2 * h * config.num_kv_heads * d + 3 * h * i
-    lm_head = 0 if config.tie_word_embeddings else h * config.vocab_size
-    return config.vocab_size * h + config.num_layers * per_layer + h + lm_head
+    return sum(math.prod(shape) for _, shape in _shape_leaves(param_shapes(config)))
 
 
 def check_params(params, config) -> None:
     """Raises ValueError, naming the first leaf that differs, unless `params` is a `LlamaParams` with
-    the layout and shapes of a model of this configuration (floating-point leaves; an untied
-    `lm_head` exactly when the model has one). Reads no data: what `init_params` would build is
-    compared by shape alone."""
+    the layout and shapes of a model of this configuration (floating-point leaves; each optional leaf
+    present exactly when the family has it). Reads no data."""
     if not isinstance(params, LlamaParams):
         raise ValueError(f"params must be a LlamaParams (jpaged.device.params), got {type(params).__name__}")
-    expected = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    expected = param_shapes(config)
     if (params.lm_head is None) != (expected.lm_head is None):
         raise ValueError(f"params {'lack' if params.lm_head is None else 'have'} an lm_head, but this model's "
                          f"embeddings are {'untied' if params.lm_head is None else 'tied'}")
-    for (path, leaf), want in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(expected)):
+    for name in LayerParams.__dataclass_fields__:
+        have, want = getattr(params.layers, name), getattr(expected.layers, name)
+        if (have is None) != (want is None):
+            raise ValueError(f"params.layers.{name} is {'missing' if have is None else 'present'}, but this "
+                             f"model ({config.architecture}) {'has' if have is None else 'has no'} such leaf")
+    for (path, leaf), (_, want) in zip(jax.tree_util.tree_leaves_with_path(params), _shape_leaves(expected)):
         name = jax.tree_util.keystr(path).lstrip(".")
         shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
-        if shape != want.shape:
-            raise ValueError(f"params.{name} has shape {shape}, this model's is {want.shape}")
+        if shape != want:
+            raise ValueError(f"params.{name} has shape {shape}, this model's is {want}")
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"params.{name} has dtype {dtype}: parameters are floating-point")
 
@@ -83,15 +132,15 @@ def cast_params(params: LlamaParams, dtype) -> LlamaParams:
 
 
 def init_params(config, key, dtype=jnp.float32, scale: float = 0.05) -> LlamaParams:
-    """Random parameters of the right shapes (tests, GPU checks without a checkpoint)."""
-    L, h, i = config.num_layers, config.hidden_size, config.intermediate_size
-    nh, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim
-    shapes = dict(wq=(L, h, nh, d), wk=(L, h, nkv, d), wv=(L, h, nkv, d), wo=(L, nh, d, h),
-                  w_gate=(L, h, i), w_up=(L, h, i), w_down=(L, i, h))
-    keys = iter(jax.random.split(key, len(shapes) + 2))
-    normal = lambda shape: (scale * jax.random.normal(next(keys), shape)).astype(dtype)  # noqa: E731
-    layers = LayerParams(attn_norm=jnp.ones((L, h), dtype), mlp_norm=jnp.ones((L, h), dtype),
-                         **{name: normal(shape) for name, shape in shapes.items()})
-    lm_head = None if config.tie_word_embeddings else normal((h, config.vocab_size))
-    return LlamaParams(embed=normal((config.vocab_size, h)), layers=layers, final_norm=jnp.ones((h,), dtype),
-                       lm_head=lm_head)
+    """Random parameters of the right shapes (tests, GPU checks without a checkpoint): norm weights
+    at their identity (1, or 0 where the family's norm adds an offset), the rest normal * `scale`."""
+    leaves = _shape_leaves(param_shapes(config))
+    keys = iter(jax.random.split(key, len(leaves)))
+
+    def init(path, shape):
+        name = getattr(path[-1], "name", None)
+        if name in NORMS:
+            return jnp.full(shape, 1.0 - config.norm_offset, dtype)
+        return (scale * jax.random.normal(next(keys), shape)).astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(init, param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))

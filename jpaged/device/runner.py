@@ -89,7 +89,7 @@ _DONATED = {"prefill_step": 1, "decode_step": 1, "copy_blocks": 0, "write_blocks
 
 def _step(params, cache, inputs, *, config, backend):
     cache, hidden = forward(params, cache, inputs, config=config, backend=backend)
-    return cache, compute_logits(params, hidden[inputs.logits_index])
+    return cache, compute_logits(params, hidden[inputs.logits_index], config=config)
 
 
 def _data_parallel_step(params, cache, inputs, row_index, *, config, backend, mesh, pool_spec, axis):
@@ -351,7 +351,8 @@ class ModelRunner:
             rank = r.block_table[0] // per
             base = rank * per
             table = [b - base for b in r.block_table]
-            if not all(0 < b < per for b in table):
+            # entries a sliding window released are the rank's null block (local 0), leading ones only
+            if not all(0 <= b < per for b in table) or table[-1] == 0:
                 raise ValueError(f"a row's blocks {list(r.block_table)} are not all in data-parallel partition {rank}")
             where.append((rank, len(by_rank[rank])))
             by_rank[rank].append(_LocalRow(r.token_ids, r.start_position, [s - base * bs for s in r.slots], table))

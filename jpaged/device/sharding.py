@@ -70,6 +70,13 @@ PARAM_AXES = {
     "w_gate": ("layers", "embed", "mlp"),
     "w_up": ("layers", "embed", "mlp"),
     "w_down": ("layers", "mlp", "embed"),
+    "bq": ("layers", "heads", "head_dim"),
+    "bk": ("layers", "kv_heads", "head_dim"),
+    "bv": ("layers", "kv_heads", "head_dim"),
+    "q_norm": ("layers", "head_dim"),
+    "k_norm": ("layers", "head_dim"),
+    "post_attn_norm": ("layers", "embed"),
+    "post_mlp_norm": ("layers", "embed"),
 }
 POOL_AXES = ("layers", "blocks", "kv_pair", "block_slots", "kv_heads", "head_dim")
 Q_AXES = ("tokens", "heads", "head_dim")  # a step's queries (and attention output) inside a layer
@@ -226,14 +233,15 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, device
 
 
 def replicate_kv_heads(params, factor: int):
-    """`params` with every KV head of wk / wv repeated `factor` times, consecutively (KV head j of the
+    """`params` with every KV head of wk / wv (and bk / bv) repeated `factor` times, consecutively (KV head j of the
     result is KV head j // factor of the model), so that grouped-query attention with
     `num_kv_heads * factor` KV heads reads the same values: query head h reads KV head
     h // (num_heads / (num_kv_heads * factor)), which is a copy of h // (num_heads / num_kv_heads)."""
     if factor == 1:
         return params
-    layers = params.layers.replace(wk=jnp.repeat(params.layers.wk, factor, axis=2),
-                                   wv=jnp.repeat(params.layers.wv, factor, axis=2))
+    layers, repeat = params.layers, lambda x, axis: None if x is None else jnp.repeat(x, factor, axis=axis)  # noqa: E731
+    layers = layers.replace(wk=repeat(layers.wk, 2), wv=repeat(layers.wv, 2), bk=repeat(layers.bk, 1),
+                            bv=repeat(layers.bv, 1))
     return params.replace(layers=layers)
 
 
@@ -271,11 +279,14 @@ class ShardedBackend:
         spec, kv = self.strategy.spec(POOL_AXES), self.strategy.spec(KV_AXES)
         return self._map(self.inner.write_kv, (spec, P(), kv, kv, P()), spec)(pool, layer, k, v, slot_mapping)
 
-    def attend(self, q, pool, layer, inputs, scale):
+    def attend(self, q, pool, layer, inputs, scale, *, window=None, softcap=None):
         spec, qs = self.strategy.spec(POOL_AXES), self.strategy.spec(Q_AXES)
         inputs_spec = jax.tree.map(lambda _: P(), inputs)
-        f = lambda q, pool, layer, inputs: self.inner.attend(q, pool, layer, inputs, scale)  # noqa: E731
-        return self._map(f, (qs, spec, P(), inputs_spec), qs)(q, pool, layer, inputs)
+
+        def f(q, pool, layer, inputs, window):
+            return self.inner.attend(q, pool, layer, inputs, scale, window=window, softcap=softcap)
+
+        return self._map(f, (qs, spec, P(), inputs_spec, P()), qs)(q, pool, layer, inputs, window)
 
     def copy_blocks(self, pool, pairs):
         spec = self.strategy.spec(POOL_AXES)

