@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -50,7 +51,12 @@ REAL_LOAD_MODEL = llm_engine.load_model
     (["hi", "--beam-width", "0"], "beam_width must be an integer >= 1"),
     (["hi", "--seed", "-2"], "seed must be None or an integer"),
     (["hi", "--kv-cache-memory", "lots"], "cannot read memory size 'lots'"),
-    (["hi", "--kv-cache-memory", "0GB"], "cannot read memory size '0GB'"),
+    (["hi", "--kv-cache-memory", "0GB"], "kv_cache_memory must be at least 1 byte, got '0GB'"),
+    (["hi", "--kv-cache-memory", "0"], "kv_cache_memory must be at least 1 byte, got '0': give a size such as '1GiB'"),
+    (["hi", "--max-tokens", "1000000000"], "context of 8192 tokens: pass --max-tokens at most 8191"),
+    (["hi", "--swap-space", "-1"], "swap_space must be >= 0 GiB, got -1: pass --swap-space 0 or more"),
+    (["hi", "--num-processes", "2", "--coordinator-address", "h:1", "--join-timeout", "0"],
+     "--join-timeout must be a number of seconds > 0"),
     (["hi", "--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1, got 0"),
     (["hi", "--max-num-batched-tokens", "0"], "max_num_batched_tokens must be an integer >= 1"),
     (["hi", "--swap-space", "-1", "--preemption-mode", "swap"], "swap_space must be >= 0"),
@@ -83,7 +89,8 @@ def test_options_are_checked_before_the_model_loads(run_cli, monkeypatch):
 
     monkeypatch.setattr(llm_engine, "load_model", no_load)
     for argv in (["--max-num-seqs", "0"], ["--kv-cache-memory", "2XB"], ["--num-blocks", "100000000"],
-                 ["--kv-cache-memory", "1TiB"], ["--n", "2"]):
+                 ["--kv-cache-memory", "1TiB"], ["--n", "2"], ["--max-tokens", "8192"], ["--swap-space", "-1"],
+                 ["--kv-cache-memory", "0"]):
         code, _, err = run_cli("hi", *argv)
         assert code == 2 and err.startswith("error: ") and "Traceback" not in err, err
 
@@ -96,15 +103,20 @@ def test_several_processes_flags_are_checked_before_joining(run_cli, monkeypatch
 
     monkeypatch.setattr(distributed, "initialize", no_join)
     for argv in (["--num-processes", "3", "--coordinator-address", "h:1", "--process-id", "-1"],
-                 ["--num-processes", "2", "--coordinator-address", "h:1", "--max-tokens", "0"]):
+                 ["--num-processes", "2", "--coordinator-address", "h:1", "--max-tokens", "0"],
+                 ["--num-processes", "2", "--coordinator-address", "h:1", "--max-tokens", "9000"],
+                 ["--num-processes", "2", "--coordinator-address", "h:1", "--swap-space", "-1"]):
         code, _, err = run_cli("hi", *argv)
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--port", "70000"], "--port must be in 1..65535"),
-    (["--max-waiting", "0"], "max_waiting=0"),
-    (["--grace-period", "-1"], "grace_period_s=-1"),
+    (["--max-waiting", "0"], "max_waiting=0: --max-waiting (requests that may wait for the engine) must be an "
+                             "integer >= 1"),
+    (["--grace-period", "-1"], "grace_period_s=-1.0: --grace-period (seconds running requests get to finish after "
+                               "SIGTERM) must be a number >= 0"),
+    (["--max-request-bytes", "0"], "max_request_bytes=0: --max-request-bytes (the largest request body) must be"),
     (["--max-num-seqs", "0"], "max_num_seqs must be"),
     (["--model", "/no/such/model"], "/no/such/model"),
     (["--api-key", ""], "the API key is empty"),
@@ -248,3 +260,137 @@ def test_an_interrupted_checkpoint_save_leaves_nothing_half_written(default_mode
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(default_model, tmp_path / "ckpt")
     assert list(tmp_path.iterdir()) == []  # neither the checkpoint nor its partial copy
+
+
+# ---------------------------------------------------------------- issue 32: what a new user met
+
+def test_a_malformed_option_is_one_line_without_the_usage(capsys):
+    for argv, message in (
+            (["generate", "hi", "--max-tokens", "ten"], "argument --max-tokens: invalid int value: 'ten'"),
+            (["generate", "hi", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+            ([], "the following arguments are required: command")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "usage:" not in err, err
+        assert err.startswith(f"error: {message}") and "--help)" in err, err
+
+
+def test_an_explicit_max_tokens_past_the_prompts_room_is_refused(run_cli):
+    code, out, err = run_cli("word " * 8100, "--no-chat-template", "--max-tokens", "200", "--num-blocks", "16")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("error: prompt 0: its 8101 tokens and --max-tokens 200 exceed the model's context of 8192 "
+                          "tokens: pass --max-tokens at most 91"), err
+
+
+def test_seed_gives_each_prompt_its_own_seed_unless_same_seed(run_cli):
+    assert cli.seeds(3, 3, 1, same=False) == [3, 4, 5] and cli.seeds(3, 3, 2, same=False) == [3, 5, 7]
+    assert cli.seeds(3, 2, 4, same=True) == [3, 3] and cli.seeds(None, 2, 1, same=False) == [None, None]
+    assert cli.seeds(2**32 - 1, 2, 1, same=False) == [2**32 - 1, 0]
+    help_text = " ".join(cli.build_parser()._subparsers._group_actions[0].choices["generate"].format_help().split())
+    assert "prompt i samples with seed S + i*N" in help_text and "--same-seed" in help_text
+
+    def texts(*argv):
+        code, out, err = run_cli(*argv, "--temperature", "1", "--seed", "3", "--json", "--max-tokens", "12",
+                                 "--num-blocks", "32")
+        assert code == 0, err
+        return [tuple(json.loads(line)["outputs"][0]["token_ids"]) for line in out.splitlines()[:-1]]
+
+    prompt = "Tell me a story about a cat."
+    alone = texts(prompt)
+    distinct = texts(prompt, prompt, prompt)
+    assert distinct[0] == alone[0] and len(set(distinct)) == 3  # prompt 0 draws as alone; the others differ
+    assert texts(prompt, prompt, "--same-seed") == alone * 2
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _timed_lines(argv, timeout):
+    """Runs the console script; (exit status, [(seconds since start, stderr line)], stdout)."""
+    start = time.monotonic()
+    process = subprocess.Popen([sys.executable, "-m", "jpaged.entrypoints.cli", *argv], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [(time.monotonic() - start, line.rstrip("\n")) for line in process.stderr]
+        return process.wait(timeout=timeout), lines, process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.parametrize("process_id", [0, 1])
+def test_a_process_whose_peers_never_come_says_so_at_once_and_ends_with_one_line(process_id):
+    """Issue 32's hang: with --join-timeout 2, both ends say at once that they wait (where, how many
+    joined, how long), then end with one line, within a bound, instead of waiting silently."""
+    address = f"127.0.0.1:{_free_port()}"  # process 1: nobody listens there
+    code, lines, out = _timed_lines(["generate", "Hi", "--coordinator-address", address, "--num-processes", "2",
+                                     "--process-id", str(process_id), "--join-timeout", "2"], timeout=120)
+    assert code == 2 and out == "", lines
+    assert len(lines) == 2 and lines[0][1].startswith("[jpaged] ") and lines[1][1].startswith("error: "), lines
+    (said_at, waiting), (ended_at, error) = lines
+    assert ended_at - said_at >= 1.5  # said before the wait, not at its end
+    assert address in waiting and "up to 2 s (--join-timeout)" in waiting
+    if process_id == 0:
+        assert "1 of 2 joined (this one)" in waiting
+        assert error == (f"error: only 1 of 2 processes joined at {address} within 2 s (missing: --process-id 1): "
+                         "start it with this --coordinator-address and --num-processes 2, or raise --join-timeout")
+    else:
+        assert "joining process 0" in waiting and "for all 2 processes to join" in waiting
+        assert error.startswith(f"error: process 0 did not answer at {address} within 2 s (connection refused): "
+                                "start it (the same command with --process-id 0)"), error
+
+
+def test_the_processes_meet_and_a_wrong_number_of_processes_is_refused_at_once():
+    """The rendezvous before JAX's runtime, as threads: three processes meet whatever order they come
+    in; a process with another --num-processes, or an id given twice, is refused without waiting; when
+    process 0 gives up, the ones that came give up with the same line."""
+    import threading
+
+    from jpaged.device import distributed
+
+    def run(address, num_processes, process_id, timeout, results, said):
+        try:
+            distributed._rendezvous(address, num_processes, process_id, timeout,
+                                    lambda message: said.append((process_id, message)))
+            results[process_id] = "go"
+        except ValueError as e:
+            results[process_id] = str(e)
+
+    address, results, said = f"127.0.0.1:{_free_port()}", {}, []
+    threads = [threading.Thread(target=run, args=(address, 3, i, 30, results, said)) for i in (2, 1, 0)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.3)  # the others wait (retrying) until process 0 listens
+    for thread in threads:
+        thread.join(timeout=60)
+    assert results == {0: "go", 1: "go", 2: "go"}, results
+    assert [m for i, m in said if i == 0][-1] == "all 3 processes joined; starting JAX's distributed runtime"
+    assert any("joined: 3 of 3" in m for i, m in said if i == 0)
+
+    address, results, said = f"127.0.0.1:{_free_port()}", {}, []
+    start = time.monotonic()
+    host = threading.Thread(target=run, args=(address, 2, 0, 3, results, said))
+    host.start()
+    run(address, 3, 1, 30, results, said)  # another --num-processes: refused at once, not after 30 s
+    assert results[1] == ("process 0 runs with --num-processes 2, process 1 with 3: give every process the same "
+                          "--num-processes") and time.monotonic() - start < 10
+    host.join(timeout=30)
+    assert results[0].startswith(f"only 1 of 2 processes joined at {address} within 3 s (missing: --process-id 1)")
+
+    address, results, twice, said = f"127.0.0.1:{_free_port()}", {}, {}, []
+    others = [threading.Thread(target=run, args=(address, 3, 0, 4, results, said)),
+              threading.Thread(target=run, args=(address, 3, 1, 30, results, said))]
+    for thread in others:
+        thread.start()
+        time.sleep(0.5)
+    run(address, 3, 1, 30, twice, said)  # process id 1 again: refused at once
+    assert twice[1] == "process id 1 has joined already: give each process its own --process-id"
+    for thread in others:
+        thread.join(timeout=30)
+    assert results[0] == results[1] and results[0].startswith("only 2 of 3 processes joined")  # both told, alike

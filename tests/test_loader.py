@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -280,9 +282,47 @@ def test_a_checkpoint_with_a_broken_manifest_or_parameters(default_model, tmp_pa
             weights.load_model(path)
         assert_names(e, manifest)
     manifest.write_text(good)
+    # issue 32: the largest file under params/ cut to half: one line naming the checkpoint and the array,
+    # and nothing after it (orbax's reads still in flight used to print "Event loop is closed" tracebacks)
+    largest = max((f for f in (path / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:largest.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"cannot restore the parameters \(array '[a-z_.]+' is unreadable: .*\): "
+                       r"the checkpoint is damaged: convert the model again \(jpaged convert\)") as e:
+        weights.load_model(path)
+    assert_names(e, path / "params")
+    assert len(str(e.value)) - len(str(path)) < 250, str(e.value)  # not TensorStore's whole spec
+    result = subprocess.run([sys.executable, "-m", "jpaged.entrypoints.cli", "generate", "Hi", "--model", str(path),
+                             "--max-tokens", "4", "--num-blocks", "16"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"error: {path / 'params'}: cannot restore"), \
+        result.stderr
     for array in (path / "params").rglob("*"):  # the saved arrays, cut short
         if array.is_file() and array.stat().st_size > 4096:
             array.write_bytes(array.read_bytes()[:100])
     with pytest.raises(ValueError, match="cannot restore the parameters") as e:
         weights.load_model(path)
     assert_names(e, path / "params")
+
+
+def test_half_a_hf_directory_says_what_is_missing(tmp_path):
+    """Issue 32: a HF directory without safetensors, or with a broken config.json, is told what is missing."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "config.json").write_text('{"model_type": "llama"}')
+    (bin_dir / "pytorch_model.bin").write_bytes(b"")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama", ')
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "model.safetensors").write_bytes(b"")
+    for path, match in (
+            (bin_dir, r"a HF model directory without its \*\.safetensors weights \(found pytorch_model.bin\): "
+                      r"download the model's \*\.safetensors files into it; jpaged reads safetensors, not PyTorch"),
+            (broken, r"without its \*\.safetensors weights: download .*; and .*config.json is not readable JSON "
+                     r"\(.*\): restore the model's config.json"),
+            (bare, r"\*\.safetensors weights without config.json: put the model's config.json beside them")):
+        for call in (weights.read_config, weights.load_model):
+            with pytest.raises(ValueError, match=match) as e:
+                call(path)
+            assert_names(e, path)

@@ -263,6 +263,49 @@ def test_bad_requests_get_400s_while_others_stream(server, reference):
     assert_all_free(server.engine)
 
 
+def test_content_parts_roles_and_unknown_endpoints(server, reference):
+    """Issue 32: OpenAI's list-of-parts content (current clients send it) reads as its joined text; an
+    unknown role or a non-text part is refused naming the message; any other path or method gets a
+    JSON error body."""
+    client = server.client()
+    system, question = "Answer in one short sentence.", ["What is the capital", "of France?"]
+    (expected,) = reference.chat([{"role": "system", "content": system},
+                                  {"role": "user", "content": "\n".join(question)}],
+                                 SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    for role in ("system", "developer"):  # developer: OpenAI's newer name for system
+        r = client.chat.completions.create(model=MODEL, max_tokens=16, temperature=0, messages=[
+            {"role": role, "content": [{"type": "text", "text": system}]},
+            {"role": "user", "content": [{"type": "text", "text": part} for part in question]}])
+        assert r.choices[0].message.content == expected.outputs[0].text
+    for messages, message in (
+            ([{"role": "wizard", "content": "hi"}], "'messages[0].role' must be one of 'system', 'developer', "
+                                                    "'user', 'assistant', got 'wizard'"),
+            ([{"role": "user", "content": "hi"}, {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}],
+             "'messages[1].content[0]' must be a text part {'type': 'text', 'text': str}; this model reads text only, "
+             "not 'image_url'"),
+            ([{"role": "user", "content": 3}], "'messages[0].content' must be a string or a non-empty list of text "
+                                               "parts")):
+        status, text = server.raw("POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": messages}
+                                                                                ).encode())
+        error = json.loads(text)["error"]
+        assert status == 400 and error["message"].startswith(message), error
+        assert error["param"] == "messages"
+    for method, path, status, message in (
+            ("POST", "/v1/embeddings", 404, "there is no endpoint /v1/embeddings: this server has POST "
+                                            "/v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
+                                            "GET /metrics"),
+            ("GET", "/v1/completions", 405, "/v1/completions takes POST, not GET"),
+            ("POST", "/v1/models", 405, "/v1/models takes GET, not POST")):
+        got, text = server.raw(method, path, b'{"model": "smol", "input": "hi"}')
+        assert got == status and json.loads(text) == {"error": {"message": message, "type": "invalid_request_error",
+                                                                "param": None, "code": None}}, text
+    with pytest.raises(openai.NotFoundError, match="there is no endpoint /v1/embeddings"):
+        client.embeddings.create(model=MODEL, input="hi")
+    server.wait_idle()
+    assert_all_free(server.engine)
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not-streamed"])
 def test_a_client_that_disconnects_frees_its_blocks(server, stream):
     aborted = server.metric("jpaged_completions_finished_total", default=0.0, reason="abort")
@@ -370,14 +413,16 @@ def test_jpaged_serve_answers_and_drains_on_sigterm(tmp_path):
         rest = list(short)  # finishes within the grace period
         assert first.choices and [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
         cut = list(endless)  # aborted past it: a last chunk, then [DONE] (the client's iteration just ends)
-        assert cut[-1].choices[0].finish_reason == "stop" and time.monotonic() - started >= grace - 1
+        # cut short, and saying so as vLLM does: not "stop" (the model ended it) nor "length" (max_tokens did)
+        assert cut[-1].choices[0].finish_reason == "abort" and time.monotonic() - started >= grace - 1
         assert len(cut) < 4000
         assert process.wait(timeout=90) == -signal.SIGTERM  # drained, then ended by the signal (uvicorn's way)
         with pytest.raises(openai.APIConnectionError):
             client.models.list()
         log = process.stderr.read()
-        assert re.search(r"serving smol on http://127\.0\.0\.1:\d+", log), log
-        assert "1 request(s) past the grace period were aborted" in log and "Traceback" not in log, log
+        assert re.search(r"^INFO: jpaged serving smol on http://127\.0\.0\.1:\d+", log, re.M), log
+        assert "\nINFO: jpaged stopped: 1 request(s) past the grace period were aborted" in log, log
+        assert "Traceback" not in log and "WARNING" not in log, log  # starting and stopping are no warnings
     finally:
         if process.poll() is None:
             process.kill()

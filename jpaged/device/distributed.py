@@ -12,6 +12,13 @@ decisions, step after step.
     llm = LLM(data_parallel_size=2, tensor_parallel_size=3)                   # on 2 x 3 global devices
     outs = llm.generate(prompts, params)   # process 0's prompts and params, run (and returned) everywhere
 
+Joining: `initialize` says at once (on stderr, or to its `progress` callback) that this process waits
+for the others, at which address, how many have joined and for how long; process 0 names each process
+that joins. The processes meet on the coordinator's port before JAX's own runtime starts there, so a
+process that waits in vain ends after `initialization_timeout` seconds (`--join-timeout`) with one
+line naming the processes missing (ValueError), and a wrong `--num-processes` or a process id given
+twice is refused at once, where JAX's own handshake would wait, then abort the process.
+
 On CPUs the collectives go through gloo; each process's CPU devices are forced as usual
 (`XLA_FLAGS=--xla_force_host_platform_device_count=N` before JAX starts).
 
@@ -30,6 +37,10 @@ from __future__ import annotations
 
 import pickle
 import re
+import socket
+import sys
+import time
+from typing import Callable, Optional
 
 import jax
 import numpy as np
@@ -50,21 +61,207 @@ def check_address(coordinator_address: str, num_processes: int, process_id: int)
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
-               initialization_timeout: int = 300) -> None:
+               initialization_timeout: float = 300, progress: Optional[Callable[[str], None]] = None) -> None:
     """Joins this process to the others through `jax.distributed.initialize`, with CPU collectives
     through gloo. Call it in every process, before anything else uses JAX; `coordinator_address` is
-    process 0's HOST:PORT (process 0 listens there). Waits up to `initialization_timeout` seconds
-    for every process to join. Already joined (here or by `jax.distributed.initialize`) as this
-    process among as many: does nothing."""
+    process 0's HOST:PORT (process 0 listens there). Already joined (here or by
+    `jax.distributed.initialize`) as this process among as many: does nothing.
+
+    Before JAX's runtime starts, the processes meet at that address (`_rendezvous`): `progress`
+    (default: a `[jpaged] ...` line on stderr) is told at once that this process waits, where, how
+    many of the processes have joined and for how long, and again as they join. When they have not
+    all joined within `initialization_timeout` seconds, raises ValueError (one line: who is missing,
+    and what to change) instead of waiting on: JAX's own timeout ends the process with a C++ abort."""
     check_address(coordinator_address, num_processes, process_id)
+    if not (isinstance(initialization_timeout, (int, float)) and not isinstance(initialization_timeout, bool)
+            and 0 < initialization_timeout < float("inf")):
+        raise ValueError(f"the join timeout (--join-timeout) must be a number of seconds > 0, "
+                         f"got {initialization_timeout!r}")
     if jax.distributed.is_initialized():
         if (jax.process_count(), jax.process_index()) != (num_processes, process_id):
             raise ValueError(f"this process already runs as process {jax.process_index()} of {jax.process_count()}, "
                              f"not {process_id} of {num_processes}")
         return
+    if progress is None:
+        progress = lambda message: print(f"[jpaged] {message}", file=sys.stderr, flush=True)  # noqa: E731
+    if num_processes > 1:
+        _rendezvous(coordinator_address, num_processes, process_id, initialization_timeout, progress)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # every process is up and has been told to go: JAX's own handshake takes a moment
     jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id,
-                               initialization_timeout=initialization_timeout)
+                               initialization_timeout=max(60, int(initialization_timeout)))
+
+
+# ---- the rendezvous: a line protocol on the coordinator's port, before JAX's service listens there
+#   joining process -> process 0:  "jpaged-join <process_id> <num_processes>"
+#   process 0 -> joining process:  "joined <count>" (then again as others join), "go" once all have,
+#                                  or "error <message>" (a wrong --num-processes, a process id twice)
+
+_HELLO = "jpaged-join"
+
+
+def _rendezvous(address: str, num_processes: int, process_id: int, timeout: float, progress) -> None:
+    """Returns once all `num_processes` processes have met at `address` (process 0 listening there);
+    raises ValueError saying who is missing after `timeout` seconds."""
+    host, port = address.rsplit(":", 1)
+    host, port = host.strip("[]"), int(port)
+    deadline = time.monotonic() + timeout
+    if process_id == 0:
+        _gather(address, port, num_processes, deadline, timeout, progress)
+    else:
+        _join(address, host, port, num_processes, process_id, deadline, timeout, progress)
+
+
+def _gather(address, port, num_processes, deadline, timeout, progress) -> None:
+    """Process 0: accepts the others' hellos until all have come, then tells them all to go."""
+    try:  # on every address, as JAX's service binds ([::]:PORT)
+        listener = (socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+                    if socket.has_dualstack_ipv6() else socket.create_server(("", port)))
+    except OSError as e:
+        raise ValueError(f"process 0 cannot listen on port {port} ({e.strerror}): give --coordinator-address "
+                         "a free port of this machine (is another process 0 running?)") from None
+    joined: dict[int, socket.socket] = {}
+    progress(f"process 0 of {num_processes}: waiting for the others at {address}: 1 of {num_processes} joined "
+             f"(this one); waiting up to {timeout:g} s (--join-timeout)")
+    try:
+        with listener:
+            listener.settimeout(0.25)
+            while len(joined) + 1 < num_processes:
+                if time.monotonic() > deadline:
+                    missing = [i for i in range(1, num_processes) if i not in joined]
+                    message = (f"only {len(joined) + 1} of {num_processes} processes joined at {address} within "
+                               f"{timeout:g} s (missing: --process-id {', '.join(map(str, missing))}): start "
+                               f"{'it' if len(missing) == 1 else 'them'} with this --coordinator-address and "
+                               f"--num-processes {num_processes}, or raise --join-timeout")
+                    for conn in joined.values():  # the ones that came give up too, with the same line
+                        _send(conn, f"error {message}")
+                    raise ValueError(message)
+                try:
+                    conn, _ = listener.accept()
+                except (socket.timeout, InterruptedError):
+                    continue
+                joiner = _hello(conn, num_processes, joined, progress)
+                if joiner is None:
+                    conn.close()
+                    continue
+                joined[joiner] = conn
+                for other in joined.values():  # everyone learns how many are here
+                    _send(other, f"joined {len(joined) + 1}")
+                progress(f"process {joiner} joined: {len(joined) + 1} of {num_processes}")
+            for conn in joined.values():
+                _send(conn, "go")
+            for conn in joined.values():  # they close first: the port stays free of TIME_WAIT for JAX's service
+                conn.settimeout(5)
+                try:
+                    conn.recv(1)
+                except OSError:
+                    pass
+    finally:
+        for conn in joined.values():
+            conn.close()
+    progress(f"all {num_processes} processes joined; starting JAX's distributed runtime")
+
+
+def _hello(conn: socket.socket, num_processes: int, joined: dict, progress) -> Optional[int]:
+    """Reads a joining process's hello; its process id, or None (both told why) when it cannot join."""
+    conn.settimeout(5)
+    try:
+        words = _readline(conn).split()
+    except OSError:
+        return None
+    if len(words) != 3 or words[0] != _HELLO or not (words[1].isdigit() and words[2].isdigit()):
+        return None  # not one of ours
+    joiner, their_num = int(words[1]), int(words[2])
+    if their_num != num_processes:
+        reason = (f"process 0 runs with --num-processes {num_processes}, process {joiner} with {their_num}: "
+                  "give every process the same --num-processes")
+    elif joiner in joined and not _closed(joined[joiner]):
+        reason = f"process id {joiner} has joined already: give each process its own --process-id"
+    else:
+        if joiner in joined:  # an earlier attempt of that process that has gone away
+            joined.pop(joiner).close()
+        return joiner
+    _send(conn, f"error {reason}")
+    progress(f"refused a process: {reason}")
+    return None
+
+
+def _join(address, host, port, num_processes, process_id, deadline, timeout, progress) -> None:
+    """A process other than 0: says hello to process 0 (retrying until it listens), waits for "go"."""
+    progress(f"process {process_id} of {num_processes}: joining process 0 at {address}; waiting up to "
+             f"{timeout:g} s (--join-timeout) for all {num_processes} processes to join")
+    last_error, count = "", None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            if count is None:
+                raise ValueError(f"process 0 did not answer at {address} within {timeout:g} s ({last_error}): start "
+                                 "it (the same command with --process-id 0), check --coordinator-address, or raise "
+                                 "--join-timeout")
+            raise ValueError(f"only {count} of {num_processes} processes joined at {address} within {timeout:g} s: "
+                             f"start the others with this --coordinator-address and --num-processes "
+                             f"{num_processes}, or raise --join-timeout")
+        try:
+            conn = socket.create_connection((host, port), timeout=min(left, 5))
+        except socket.gaierror as e:
+            raise ValueError(f"cannot resolve the coordinator host {host!r} ({e.strerror}): check "
+                             "--coordinator-address") from None
+        except OSError as e:
+            last_error = (e.strerror or str(e)).lower()
+            time.sleep(min(0.25, max(left, 0)))
+            continue
+        with conn:
+            try:
+                _send(conn, f"{_HELLO} {process_id} {num_processes}")
+                while True:
+                    conn.settimeout(max(deadline - time.monotonic(), 0.01))
+                    line = _readline(conn)
+                    if line == "go":
+                        return
+                    if line.startswith("error "):
+                        raise ValueError(line[len("error "):])
+                    if not line.startswith("joined "):
+                        raise ValueError(f"{address} answered, but not as jpaged's process 0: check "
+                                         "--coordinator-address")
+                    if count is None:
+                        progress(f"reached process 0 at {address}; {line.split()[1]} of {num_processes} joined")
+                    count = int(line.split()[1])
+            except (socket.timeout, TimeoutError):
+                continue  # the deadline has passed: said above
+            except OSError as e:  # process 0 went away: try again while there is time
+                last_error = (e.strerror or str(e)).lower()
+
+
+def _send(conn: socket.socket, line: str) -> None:
+    try:
+        conn.sendall(line.encode() + b"\n")
+    except OSError:
+        pass  # gone: noticed when it matters
+
+
+def _readline(conn: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        part = conn.recv(1)
+        if not part:
+            raise ConnectionResetError("the connection closed")
+        data += part
+        if len(data) > 4096:
+            return ""
+    return data.decode(errors="replace").strip()
+
+
+def _closed(conn: socket.socket) -> bool:
+    """Whether the peer of `conn` has gone (it never sends after its hello)."""
+    try:
+        conn.setblocking(False)
+        return conn.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        conn.setblocking(True)
 
 
 def broadcast(value):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Optional
 
 import jax
@@ -79,7 +80,7 @@ class EngineConfig:
         if self.num_blocks is not None and not (isinstance(self.num_blocks, int) and self.num_blocks >= 2):
             raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the reserved null block), "
                              f"got {self.num_blocks!r}")
-        parse_memory_size(self.kv_cache_memory)  # raises ValueError saying how to write it
+        _check_memory_size(self.kv_cache_memory)
         if not (isinstance(self.swap_space, (int, float)) and self.swap_space >= 0):
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
         if self.max_model_len is not None and not (isinstance(self.max_model_len, int) and self.max_model_len >= 2):
@@ -124,3 +125,20 @@ class EngineConfig:
     @property
     def jnp_dtype(self):
         return DTYPES[self.dtype]
+
+
+def _check_memory_size(size) -> None:
+    """`kv_cache_memory` readable and above 0 bytes; ValueError saying what to write otherwise."""
+    try:
+        parse_memory_size(size)
+    except ValueError:
+        match = re.fullmatch(r"\s*([-+]?[0-9.e+-]*)\s*([a-zA-Z]*)\s*", str(size))
+        number, unit = match.groups() if match else ("", "")
+        try:
+            too_small = float(number) < float("inf") and (unit == "" or parse_memory_size(f"1{unit}") > 0)
+        except ValueError:
+            too_small = False  # not a number, or not a unit: parse_memory_size's message says how to write it
+        if too_small and not isinstance(size, bool):
+            raise ValueError(f"kv_cache_memory must be at least 1 byte, got {size!r}: give a size such as '1GiB' "
+                             "(--kv-cache-memory), or a pool size in blocks (num_blocks / --num-blocks)") from None
+        raise

@@ -5,9 +5,11 @@ input order; `--json` prints one JSON object per request and a final `{"summary"
 summary goes to stderr otherwise. `jpaged serve`: the OpenAI API over HTTP (`server.py`).
 `jpaged convert`: a model as a jpaged checkpoint. `jpaged generate --coordinator-address HOST:PORT
 --num-processes N --process-id I`: one of N processes of one engine (`jpaged.device.distributed`);
-process 0 reads the prompts and prints, the others print nothing. Bad input: a one-line
-`error: ...` on stderr and exit status 2, before anything loads; a request that failed in a step:
-its error on stderr and exit status 1.
+process 0 reads the prompts and prints, the others print nothing; each says on stderr that it waits
+for the others, and ends with one line past `--join-timeout`. `--seed S` gives prompt i the seed
+S + i*n (`--same-seed`: S for all). Bad input (a malformed option too, without the usage): a
+one-line `error: ...` on stderr and exit status 2, before anything loads; a request that failed in
+a step: its error on stderr and exit status 1.
 """
 
 from __future__ import annotations
@@ -21,17 +23,32 @@ import sys
 import time
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad command line answered as every other bad input: one `error: ...` line
+    naming the option (and where to read about it), exit status 2; no usage dump."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jpaged", description="PagedAttention inference in JAX")
+    parser = _Parser(prog="jpaged", description="PagedAttention inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions for prompts")
     g.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts (each one request)")
     g.add_argument("--prompts-file", help="JSONL file with a 'prompt' field per line")
-    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most per sample")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens to generate at most per sample; refused past what the model's context leaves after "
+                   "the prompt (default: 256, or to the end of the context when less is left)")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of this mass")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
-    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible, whatever else runs")
+    g.add_argument("--seed", type=int, default=None,
+                   help="makes sampling reproducible (with --temperature > 0), whatever else runs: prompt i samples "
+                   "with seed S + i*N (N: --n; its sample j with S + i*N + j, modulo 2**32), so the prompts draw "
+                   "differently and prompt 0 draws as it does alone (default: a fresh seed per request)")
+    g.add_argument("--same-seed", action="store_true",
+                   help="with --seed S: every prompt samples with S itself, as it would alone")
     g.add_argument("--n", type=int, default=1, help="samples per prompt")
     g.add_argument("--beam-width", type=int, default=1, help="beam search with this many beams")
     add_engine_arguments(g)
@@ -44,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--process-id", type=int, default=0,
                    help="this process's id, 0..N-1: process 0 reads the prompts and prints the outputs; the "
                    "others take process 0's prompts (their own are ignored) and print nothing")
+    g.add_argument("--join-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="how long each process waits for all the others to join (with --coordinator-address); "
+                   "past it: one error line, exit status 2")
     v = sub.add_parser("serve", help="serve the OpenAI API (completions, chat completions) over HTTP")
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     v.add_argument("--port", type=int, default=8000)
@@ -83,7 +103,7 @@ def add_engine_arguments(parser) -> None:
                         help="prompt tokens a prefill step computes, at most (default: max(context, 2048))")
     parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                         help="what happens to the latest requests when KV blocks run out")
-    parser.add_argument("--swap-space", type=float, default=4.0,
+    parser.add_argument("--swap-space", type=float, default=4.0, metavar="GiB",
                         help="GiB of CPU block pool for --preemption-mode swap (capped at the device pool's size)")
     parser.add_argument("--enable-prefix-caching", action="store_true", help="reuse the KV blocks of shared prompt prefixes")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -93,10 +113,17 @@ def add_engine_arguments(parser) -> None:
                         help="devices to split the KV pool over by blocks, each running the requests placed on it")
 
 
+def check_swap_space(args) -> None:
+    """`--swap-space`, whatever `--preemption-mode` says (it is used only with swap)."""
+    if not args.swap_space >= 0:  # NaN included
+        raise ValueError(f"swap_space must be >= 0 GiB, got {args.swap_space:g}: pass --swap-space 0 or more")
+
+
 def engine_config(args):
     """The `EngineConfig` the options ask for; every option checked here, before anything loads."""
     from jpaged.engine import EngineConfig
 
+    check_swap_space(args)
     return EngineConfig(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
                         kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
                         attention_backend=args.attention_backend, interpret=args.interpret,
@@ -130,6 +157,7 @@ def serve(args) -> int:
                              "or --host") from None
     status = _Status(sys.stderr.isatty())
     status.say(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
+    logging.getLogger("jpaged.server").setLevel(logging.INFO)  # its start and stop: INFO lines, not warnings
     server.serve(LLMEngine(config), server_config, host=args.host, port=args.port)
     return 0
 
@@ -178,6 +206,27 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
+def seeds(seed, num_prompts: int, n: int, same: bool) -> list:
+    """Each prompt's seed for `--seed`: S + i*n for prompt i (modulo 2**32), so no two samples of the
+    run share a seed (sample j of a request draws with its seed + j) and prompt 0 draws as alone;
+    with `same`, S for every prompt. None (no --seed): a fresh seed per request."""
+    if seed is None or same:
+        return [seed] * num_prompts
+    return [(seed + i * n) % 2**32 for i in range(num_prompts)]
+
+
+def check_max_tokens(args) -> None:
+    """`--max-tokens` against the model's context, from its metadata alone (before anything loads)."""
+    from jpaged.weights import read_config
+
+    if args.max_tokens is None or not args.max_tokens >= 1:
+        return  # the default, or refused by SamplingParams with its own message
+    context = read_config(args.model).max_model_len
+    if args.max_tokens >= context:
+        raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the model's context of "
+                         f"{context} tokens: pass --max-tokens at most {context - 1} (less the prompt's tokens)")
+
+
 def generate(args) -> int:
     from jpaged.core.sampling_params import SamplingParams
     from jpaged.device import distributed
@@ -186,14 +235,21 @@ def generate(args) -> int:
     several = args.coordinator_address is not None or args.num_processes != 1
     if several:
         distributed.check_address(args.coordinator_address, args.num_processes, args.process_id)
+        if not 0 < args.join_timeout < float("inf"):
+            raise ValueError(f"--join-timeout must be a number of seconds > 0, got {args.join_timeout:g}")
     elif args.process_id != 0:
         raise ValueError("--process-id needs --coordinator-address and --num-processes (several processes)")
     first = args.process_id == 0  # several processes: process 0 reads the prompts, the others run them
     texts = read_prompts(args) if first else []
+    given = args.max_tokens is not None
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed, beam_width=args.beam_width)
+                            max_tokens=args.max_tokens if given else 256, seed=args.seed, beam_width=args.beam_width)
+    check_swap_space(args)
+    check_max_tokens(args)  # the model's metadata alone: JAX has not started
     if several:  # joins the others first: the engine's settings are checked against the global devices
-        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                               initialization_timeout=args.join_timeout)
+        texts = distributed.broadcast(texts)  # process 0's: every process checks them alike below
     config = engine_config(args)
     status = _Status(first and sys.stderr.isatty())
     status.say(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
@@ -207,11 +263,21 @@ def generate(args) -> int:
             raise ValueError("this model has no chat template: pass --no-chat-template")
         prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in texts]
     engine = llm.engine
+    per_prompt = []
+    for i, (prompt, seed) in enumerate(zip(prompts, seeds(args.seed, len(prompts), args.n, args.same_seed))):
+        room = engine.max_model_len - len(engine.tokenize(prompt)[1])  # < 1: refused by LLM.generate, saying why
+        if given and 0 < room < args.max_tokens:
+            raise ValueError(f"prompt {i}: its {engine.max_model_len - room} tokens and --max-tokens {args.max_tokens} "
+                             f"exceed the model's context of {engine.max_model_len} tokens: pass --max-tokens at "
+                             f"most {room}, or shorten the prompt")
+        per_prompt.append(dataclasses.replace(params, seed=seed, max_tokens=params.max_tokens if given
+                                              else max(1, min(params.max_tokens, room))))
+    params = per_prompt
     engine.add_observer(status.observe)
     # several processes: every request goes through LLM.generate, which hands process 0's to the others
     stream = len(prompts) == 1 and args.n == 1 and args.beam_width == 1 and not args.json and not several
     if stream:
-        outputs = [_stream(llm, prompts[0], params, status)]
+        outputs = [_stream(llm, prompts[0], params[0], status)]
     else:
         outputs = llm.generate(prompts, params, use_tqdm=first and not args.json and sys.stderr.isatty())
     status.done()

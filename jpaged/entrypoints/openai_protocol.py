@@ -7,8 +7,13 @@ Requests are checked field by field: every field of the OpenAI API that jpaged s
 field, or a value jpaged refuses, raises `ApiError` with a message that says what to change, which
 the server sends back as an OpenAI-style error body with the status it names.
 
+Chat messages: `content` a string or a list of text parts (`[{"type": "text", "text": ...}]`,
+joined with newlines, as vLLM does); roles system, developer (sent as system), user, assistant.
+
 Responses follow the OpenAI API: `text_completion` / `chat.completion` objects, and for
 `"stream": true` the chunks of server-sent events (`*.chunk` objects, then `data: [DONE]`).
+`finish_reason` is OpenAI's "stop" or "length", or as vLLM sends them "abort" (cut short at
+shutdown) and "error" (a failed engine step).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n
                      "stream", "stream_options", "user", "top_k", "beam_width", "ignore_eos"}
 CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt"}) | {"messages", "max_completion_tokens", "top_logprobs"}
 DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
+# the chat roles accepted, and the role the chat template sees (tools are not supported: no "tool")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # fields jpaged does not implement, accepted at the values that change nothing (clients send them)
 NEUTRAL = {"presence_penalty": (0, None), "frequency_penalty": (0, None), "logit_bias": ({}, None),
            "best_of": (1, None), "echo": (False, None), "suffix": (None,), "parallel_tool_calls": (None,),
@@ -83,12 +90,7 @@ def parse_request(data: dict, *, chat: bool, model_name: str) -> ParsedRequest:
         raise ApiError(f"the model {model!r} does not exist: this server serves {model_name!r}", status=404,
                        param="model", code="model_not_found")
     if chat:
-        messages = data.get("messages")
-        if not (isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages)):
-            raise ApiError("'messages' must be a non-empty list of {'role': str, 'content': str}", param="messages")
-        prompts = [[{"role": m["role"], "content": m["content"]} for m in messages]]
+        prompts = [_messages(data.get("messages"))]
     else:
         prompts = _prompts(data.get("prompt"))
     stream = data.get("stream", False)
@@ -124,6 +126,41 @@ def parse_request(data: dict, *, chat: bool, model_name: str) -> ParsedRequest:
     return ParsedRequest(chat=chat, prompts=prompts, params=params, stream=stream,
                          include_usage=bool(options.get("include_usage", False)), logprobs=logprobs, model=model,
                          max_tokens_given=max_tokens_given)
+
+
+def _messages(messages) -> list[dict]:
+    """The chat API's `messages`, as {"role", "content"} dicts with text content: `content` is a string
+    or a list of text parts (`[{"type": "text", "text": ...}]`, joined with newlines, as vLLM does);
+    roles are OpenAI's: system, developer (OpenAI's newer name for system, sent as system), user,
+    assistant."""
+    if not (isinstance(messages, list) and messages):
+        raise ApiError("'messages' must be a non-empty list of {'role': ..., 'content': ...}", param="messages")
+    conversation = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(f"'{where}' must be an object {{'role': ..., 'content': ...}}, got {type(m).__name__}",
+                           param="messages")
+        role = m.get("role")
+        if not (isinstance(role, str) and role in ROLES):
+            raise ApiError(f"'{where}.role' must be one of {', '.join(map(repr, ROLES))}, got {role!r}",
+                           param="messages")
+        content = m.get("content")
+        if isinstance(content, list) and content:
+            texts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(f"'{where}.content[{j}]' must be a text part {{'type': 'text', 'text': str}}"
+                                   + (f"; this model reads text only, not {kind!r}" if isinstance(kind, str) and
+                                      kind != "text" else ""), param="messages")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        if not isinstance(content, str):
+            raise ApiError(f"'{where}.content' must be a string or a non-empty list of text parts "
+                           f"[{{'type': 'text', 'text': str}}], got {content!r:.40}", param="messages")
+        conversation.append({"role": ROLES[role], "content": content})
+    return conversation
 
 
 def _prompts(prompt) -> list:
@@ -199,8 +236,10 @@ def usage(outputs: list[RequestOutput]) -> dict:
 
 
 def finish_reason(output: CompletionOutput) -> Optional[str]:
-    """OpenAI's finish reasons: "stop" and "length"; an aborted request ends as "stop" would."""
-    return {"abort": "stop"}.get(output.finish_reason, output.finish_reason)
+    """OpenAI's finish reasons, "stop" and "length", and the engine's own two, as vLLM sends them:
+    "abort" (cut short: at shutdown past the grace period) and "error" (a failed step). A cut answer
+    must not look finished: "stop" would say the model ended it, "length" that max_tokens did."""
+    return output.finish_reason
 
 
 def response(request: ParsedRequest, request_id: str, outputs: list[RequestOutput], tokenizer) -> dict:

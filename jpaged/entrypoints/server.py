@@ -19,8 +19,10 @@ Request bodies are bounded (413), prompts by the model's context (400), and the 
 which frees its blocks.
 SIGTERM: the server stops listening (new connections are refused, requests on open connections
 get 503), running requests get a grace period to finish, the rest are aborted (their streams end
-with a last chunk and [DONE]), and the process ends by that signal (uvicorn re-raises it,
-so the exit status says SIGTERM).
+with a last chunk, `finish_reason: "abort"` as vLLM sends it, and [DONE]), and the process ends by
+that signal (uvicorn re-raises it, so the exit status says SIGTERM). Any other path or method: a
+JSON error body (404, 405), as for every refused request. Start and stop are logged at INFO
+(`jpaged.server`), a serving address without an API key at WARNING.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Optional
 from jpaged.engine import LLMEngine, RequestOutput
 from jpaged.entrypoints import openai_protocol as api
 
-logger = logging.getLogger("jpaged")
+logger = logging.getLogger("jpaged.server")  # `jpaged serve` shows its INFO lines
 
 API_KEY_ENV = "JPAGED_API_KEY"
 
@@ -55,9 +57,15 @@ class ServerConfig:
     def __post_init__(self):
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("the API key is empty: give a key, or none to serve without one")
-        if self.max_request_bytes < 1 or self.max_waiting < 1 or self.grace_period_s < 0:
-            raise ValueError(f"bad server limits: max_request_bytes={self.max_request_bytes}, "
-                             f"max_waiting={self.max_waiting}, grace_period_s={self.grace_period_s}")
+        for name, flag, value, what in (
+                ("max_waiting", "--max-waiting", self.max_waiting, "requests that may wait for the engine"),
+                ("max_request_bytes", "--max-request-bytes", self.max_request_bytes, "the largest request body")):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"bad server limit {name}={value!r}: {flag} ({what}) must be an integer >= 1")
+        g = self.grace_period_s
+        if not (isinstance(g, (int, float)) and not isinstance(g, bool) and 0 <= g < float("inf")):
+            raise ValueError(f"bad server limit grace_period_s={g!r}: --grace-period (seconds running requests "
+                             "get to finish after SIGTERM) must be a number >= 0")
 
 
 class Metrics:
@@ -190,6 +198,7 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
 
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -398,16 +407,32 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
             while engine.has_unfinished() and time.monotonic() < deadline + 10:
                 await asyncio.sleep(0.05)
             loop.stop()
-            logger.warning("jpaged stopped: %s", f"{state['aborted']} request(s) past the grace period were aborted"
-                           if state["aborted"] else "every request finished")
+            logger.info("jpaged stopped: %s", f"{state['aborted']} request(s) past the grace period were aborted"
+                        if state["aborted"] else "every request finished")
 
-    app = Starlette(routes=[
+    routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
-    ], lifespan=lifespan)
+    ]
+    allowed = {r.path: " or ".join(sorted(r.methods - {"HEAD"})) for r in routes}
+    endpoints = ", ".join(f"{methods} {path}" for path, methods in allowed.items())
+
+    async def http_error(request: Request, exc: HTTPException):
+        """An unknown path (404) or method (405) gets an OpenAI-style JSON error body, as any other error."""
+        if exc.status_code == 404:
+            message = f"there is no endpoint {request.url.path}: this server has {endpoints}"
+        elif exc.status_code == 405:
+            message = (f"{request.url.path} takes {allowed.get(request.url.path, 'another method')}, "
+                       f"not {request.method}")
+        else:
+            message = str(exc.detail)
+        return JSONResponse(api.ApiError(message, status=exc.status_code).body(), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.engine, app.state.loop, app.state.metrics, app.state.admission = engine, loop, metrics, state
     return app
 
@@ -436,8 +461,8 @@ def serve(engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:
-                logger.warning("jpaged serving %s on http://%s:%d (OpenAI API under /v1)", config.model_name,
-                               host, port)
+                logger.info("jpaged serving %s on http://%s:%d (OpenAI API under /v1)", config.model_name,
+                            host, port)
 
     # uvicorn cancels the handlers still running past its own timeout: give the aborted ones time to end
     server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",

@@ -8,6 +8,7 @@ parameter layout of `jpaged.device.params`; imports nothing above the device sid
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 
@@ -29,8 +30,33 @@ def _kind(path: pathlib.Path) -> str:
         return "hf"
     if checkpoint.is_checkpoint(path):
         return "checkpoint"
+    if path.is_dir():
+        _explain_hf_dir(path)
     what = "no such file or directory" if not path.exists() else "unsupported"
     raise ValueError(f"{path}: {what}; {_EXPECTED} or a jpaged checkpoint")
+
+
+def _explain_hf_dir(path: pathlib.Path) -> None:
+    """A directory that is half a HF checkpoint: raises ValueError saying what is missing or broken."""
+    config = path / "config.json"
+    broken = ""
+    if config.is_file():
+        try:
+            json.loads(config.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            broken = f"{config} is not readable JSON ({' '.join(str(e).split())}): restore the model's config.json"
+    others = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack",
+                                                                     ".gguf"))
+    if config.is_file():
+        found = f" (found {', '.join(others[:3])}{', ...' if len(others) > 3 else ''})" if others else ""
+        gguf = [name for name in others if name.endswith(".gguf")]
+        hint = (f"; for the GGUF file pass --model {path / gguf[0]}" if gguf else
+                "; jpaged reads safetensors, not PyTorch .bin files" if others else "")
+        raise ValueError(f"{path}: a HF model directory without its *.safetensors weights{found}: download the "
+                         f"model's *.safetensors files into it{hint}" + (f"; and {broken}" if broken else ""))
+    if any(path.glob("*.safetensors")):
+        raise ValueError(f"{path}: *.safetensors weights without config.json: put the model's config.json beside "
+                         f"them ({_EXPECTED})")
 
 
 def read_config(path: str | os.PathLike | None = None) -> ModelConfig:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -91,9 +93,51 @@ def load(directory: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
             target = abstract_params(config, jax.tree.leaves(saved)[0].dtype)
             params = checkpointer.restore(directory / "params", target)
     except Exception as e:  # noqa: BLE001 - orbax's own errors: missing, truncated or mismatched arrays
-        raise ValueError(f"{directory / 'params'}: cannot restore the parameters ({' '.join(str(e).split())[:300]})") from e
+        _quiet_orbax_leftovers()
+        raise ValueError(f"{directory / 'params'}: cannot restore the parameters ({_reason(e)}): the checkpoint is "
+                         "damaged: convert the model again (jpaged convert)") from None
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory / "tokenizer")
     except (OSError, ValueError) as e:
         raise ValueError(f"{directory / 'tokenizer'}: no usable tokenizer files ({' '.join(str(e).split())})") from e
     return LoadedModel(config, cast_params(params, dtype), tokenizer, directory)
+
+
+def _reason(error: BaseException) -> str:
+    """One short clause for why orbax could not restore: the damaged array and TensorStore's reason
+    when the chain of errors names them (a file cut short), else the first line of the innermost error."""
+    chain, e = [], error
+    while e is not None and len(chain) < 20:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:  # TensorStore: 'OUT_OF_RANGE: Error reading "layers.wq/0.0" in OCDBT database at ...: <why>'
+        match = re.search(r'(?:([A-Z_]+): )?Error reading "([^"/]+)(?:/[^"]*)?"[^:]*(?::\s*(.*))?', str(e))
+        if match:
+            why = " ".join((match[3] or match[1] or "unreadable").split())
+            return f"array {match[2]!r} is unreadable: {why[:160]}"
+    text = " ".join(str(chain[-1]).split()) or type(chain[-1]).__name__
+    return text[:200] + ("..." if len(text) > 200 else "")
+
+
+_quieted = False
+
+
+def _quiet_orbax_leftovers() -> None:
+    """After a failed restore, orbax has closed its event loop while TensorStore still completes the
+    other reads; each completion then fails in the background ('Event loop is closed', or the
+    read's own error), reported through `sys.unraisablehook` after our one-line error. Drops those
+    reports (and only those), from now on: they carry nothing the ValueError did not say."""
+    global _quieted
+    if _quieted:
+        return
+    _quieted = True
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        value = unraisable.exc_value
+        if (isinstance(value, RuntimeError) and str(value) == "Event loop is closed") or (
+                str(value).startswith("Encountered error while reading array index")):
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
