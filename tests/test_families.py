@@ -200,3 +200,22 @@ def test_family_checkpoint_round_trip(family_models, tmp_path):
     assert restored.config == loaded.config and restored.config.rope_scaling.rope_type == "linear"
     for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(loaded.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_cli_generates_from_a_family_directory(family_models, default_model, capsys):
+    """`jpaged generate --model DIR` on a Gemma 2 directory: the chat template from its tokenizer
+    files, HF's greedy tokens (windows, soft-caps and all)."""
+    from jpaged.entrypoints import cli
+
+    directory, model = family_models["gemma2"]
+    prompt = "Name three colors."
+    code = cli.main(["generate", prompt, "--model", str(directory), "--json", "--max-tokens", "12",
+                     "--num-blocks", "32", "--block-size", "4"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    record = json.loads(out.out.strip().splitlines()[0])
+    ids = default_model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                                      add_generation_prompt=True)
+    ids = list(getattr(ids, "input_ids", ids))
+    (output,) = record["outputs"]
+    assert output["token_ids"] == hf_greedy(model, ids, 12)[:len(output["token_ids"])] and output["token_ids"]
