@@ -20,6 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+# JAX's persistent compilation cache, the product's: `enable_compile_cache(path)` (a rerun loads its step
+# executables instead of compiling them); `jpaged generate` / `serve` use DEFAULT_COMPILE_CACHE by default
+from jpaged.entrypoints.cli import default_compile_cache_dir, enable_compile_cache  # noqa: F401 (loads no JAX)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PACKAGES = ("jax", "jaxlib", "numpy", "transformers", "matplotlib", "gguf")
@@ -43,6 +47,26 @@ def git_state() -> dict:
         return dict(commit=None, dirty=None)
 
 
+def cpu_info() -> dict:
+    """The CPU as lscpu names it: model, counts, memory, the vector ISA flags that decide the kernels and
+    XLA's matmul paths (AVX2, AVX-512, AVX512-BF16), whether it has AMX, and the load average."""
+    lscpu = {}
+    with contextlib.suppress(Exception):
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            key, _, value = line.partition(":")
+            lscpu[key.strip()] = value.strip()
+    flags = set(lscpu.get("Flags", "").split())
+    mem_gib = None
+    with contextlib.suppress(Exception):
+        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    return {"model_name": lscpu.get("Model name"), "cpus": lscpu.get("CPU(s)"),
+            "cores_per_socket": lscpu.get("Core(s) per socket"), "threads_per_core": lscpu.get("Thread(s) per core"),
+            "nproc": os.cpu_count(), "memory_gib": mem_gib, "hypervisor": lscpu.get("Hypervisor vendor"),
+            "isa": sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma", "f16c")),
+            "has_amx": any(f.startswith("amx") for f in flags), "kernel": platform.release(),
+            "loadavg_at_start": os.getloadavg()}
+
+
 def machine_info(packages=PACKAGES) -> dict:
     """Python, library versions, platform, CPU count, load average, date, git state."""
     info = dict(python=sys.version.split()[0], platform=platform.platform(),
@@ -55,6 +79,7 @@ def machine_info(packages=PACKAGES) -> dict:
         jax = sys.modules["jax"]
         info["jax_backend"] = jax.default_backend()
         info["jax_devices"] = [str(d) for d in jax.devices()]
+    info["cpu"] = cpu_info()
     return info
 
 
@@ -133,16 +158,7 @@ def shape_time(times, stat: str = "median") -> float:
     return float(min(times) if stat == "min" else np.median(times))
 
 
-DEFAULT_COMPILE_CACHE = str(Path.home() / ".cache" / "jpaged" / "xla")
-
-
-def enable_compile_cache(path: str) -> None:
-    """JAX's persistent compilation cache: a rerun loads its step executables instead of compiling."""
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+DEFAULT_COMPILE_CACHE = default_compile_cache_dir()
 
 
 def add_compile_cache_argument(parser) -> None:

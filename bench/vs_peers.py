@@ -38,7 +38,6 @@ import contextlib
 import io
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.peers.common import versions as peer_versions  # noqa: E402  (stdlib only: shared with the peer venvs)
+from bench.common import cpu_info as machine_info  # noqa: E402  (the CPU: model, ISA, AMX)
 from bench.traces import ALPACA_SEED_PROMPTS, load_alpaca_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,24 +77,6 @@ def load_requests(path: Path = ALPACA_SEED_PROMPTS) -> tuple[list[str], list[lis
                                              add_generation_prompt=True)
         ids.append(tokenizer(text, add_special_tokens=False).input_ids)
     return prompts, ids, tokenizer
-
-
-def machine_info() -> dict:
-    lscpu = {}
-    with contextlib.suppress(Exception):
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            key, _, value = line.partition(":")
-            lscpu[key.strip()] = value.strip()
-    flags = set(lscpu.get("Flags", "").split())
-    mem_gib = None
-    with contextlib.suppress(Exception):
-        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    return {"model_name": lscpu.get("Model name"), "cpus": lscpu.get("CPU(s)"),
-            "cores_per_socket": lscpu.get("Core(s) per socket"), "threads_per_core": lscpu.get("Thread(s) per core"),
-            "nproc": os.cpu_count(), "memory_gib": mem_gib, "hypervisor": lscpu.get("Hypervisor vendor"),
-            "isa": sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma", "f16c")),
-            "has_amx": any(f.startswith("amx") for f in flags), "kernel": platform.release(),
-            "loadavg_at_start": os.getloadavg()}
 
 
 # ---------------------------------------------------------------- running a worker

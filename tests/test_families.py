@@ -219,3 +219,15 @@ def test_cli_generates_from_a_family_directory(family_models, default_model, cap
     ids = list(getattr(ids, "input_ids", ids))
     (output,) = record["outputs"]
     assert output["token_ids"] == hf_greedy(model, ids, 12)[:len(output["token_ids"])] and output["token_ids"]
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral"])
+def test_pallas_kernels_in_the_interpreter_give_hfs_tokens(family_models, default_model, name):
+    """The Pallas backend (the decode kernel in the Pallas interpreter) on a soft-capped, mixed-window
+    family and on one whose windows release blocks (null entries before the window): HF's tokens."""
+    directory, model = family_models[name]
+    llm = LLM(model=str(directory), block_size=4, num_blocks=64, attention_backend="pallas", interpret=True)
+    ids = [list(default_model.tokenizer(p).input_ids) for p in PROMPTS[:2]]
+    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    for prompt_ids, out in zip(ids, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt_ids, 10)
