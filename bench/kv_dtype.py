@@ -1,11 +1,12 @@
 """The KV pool's dtype on a CPU: float32 against bfloat16 and float16, speed and greedy agreement.
 
-On a CPU jpaged computes in float32 whatever `dtype` says (XLA's 16-bit CPU matmuls are several
-times slower) and keeps a 16-bit dtype for the KV pool alone, half the pool's bytes; the XLA backend
-stores a bfloat16 pool as its uint16 bit patterns, because XLA's CPU scatter into a bfloat16 array
-widens the whole array. This benchmark runs the same greedy requests with each dtype, side by side in
-one process: output tokens/s of a timed `generate` after a warm-up, and how many requests give
-exactly float32's tokens.
+A 16-bit `dtype` halves the KV pool's bytes; the XLA backend stores a bfloat16 pool as its uint16 bit
+patterns, because XLA's CPU scatter into a bfloat16 array widens the whole array. Since issue 33 the
+same `dtype` is the parameters' on a CPU too (matmuls accumulating in float32, activations float32),
+so this benchmark's 16-bit runs now hold 16-bit weights as well (`bench/weights_dtype.py` measures
+that, one stream included; the README's kv_dtype table predates it: 16-bit pools, float32 weights).
+This benchmark runs the same greedy requests with each dtype, side by side in one process: output
+tokens/s of a timed `generate` after a warm-up, and how many requests give exactly float32's tokens.
 
     python bench/kv_dtype.py [--quick] [--out bench/results]     # writes kv_dtype.json (--quick: kv_dtype_quick.json)
 """
@@ -73,7 +74,7 @@ def plot(out: dict, path: Path) -> None:
         ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(),
                 f"{r['identical_requests']}/{out['settings']['num_requests']} as f32", ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("output tokens / s (greedy)")
-    ax.set_title("KV pool dtype on a CPU (compute in float32)", fontsize=9)
+    ax.set_title("dtype of the KV pool and the parameters on a CPU (float32 accumulation)", fontsize=9)
     ax.margins(y=0.15)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

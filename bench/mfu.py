@@ -138,7 +138,7 @@ def main(argv=None) -> dict:
                          model_gflops=gflops, peak_gflops=peak, mfu=gflops / peak))
         print(f"batch {batch:4d}: decode step {1e3 * seconds:7.1f} ms, {batch / seconds:6.0f} tok/s, "
               f"{gflops:6.1f} GFLOP/s = {gflops / peak:.0%} of the f32 matmul peak ({peak:.0f} GFLOP/s)", flush=True)
-    # Not the model's (its parameters stay float32 on a CPU): what a bfloat16 compute path could use,
+    # Not this run's model (float32 parameters): what `dtype="bfloat16"` parameters use on a CPU,
     # read after the last batch. On an AMD EPYC with AVX512-BF16 XLA's CPU dot ran bf16 operands at
     # 1.7-1.9x float32 with a float32 result, and no faster than float32 with a bfloat16 one.
     bf16_peak = matmul_peak(dtype="bfloat16")

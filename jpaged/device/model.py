@@ -16,6 +16,14 @@ Math follows HF transformers' modeling files (`LlamaForCausalLM`, `Qwen2`/`Qwen3
 scaling rules of `ModelConfig.rope_scaling`), grouped-query attention, a gated MLP, tied or untied
 LM head.
 
+Precision: activations are float32 between the matmuls (the residual stream, norms, RoPE, the
+attention's q/k/v and softmax), whatever the parameters' dtype. Every matmul accumulates in float32
+(`preferred_element_type`); with 16-bit parameters its activation operand is rounded to their dtype
+first, so that the dot is 16 x 16 -> 32 bits (a float32 x bfloat16 dot widens the weights to float32
+instead). With float32 parameters the computation is exactly what it was before 16-bit parameters.
+Parameters may come in their CPU storage form (`jpaged.device.params.to_storage`: bfloat16 as uint16
+bit patterns), bit-cast back where they are used.
+
 `sequence_logits(params, sequences, config=)` runs the same forward over whole token sequences
 (teacher forcing, through a scratch pool of their own): a differentiable function of the
 parameters, for fine-tuning them (`notebooks/finetune_then_serve.ipynb`) and for checks.
@@ -34,10 +42,17 @@ from jpaged.device.attention.xla import FULL_WINDOW, XLABackend
 from jpaged.device.batch import ModelInputs, pack_rows
 from jpaged.device.config import ModelConfig, rope_inv_freq
 from jpaged.device.kv_cache import KVCache
-from jpaged.device.params import LlamaParams
+from jpaged.device.params import LlamaParams, from_storage
 
 _SCRATCH_BLOCK_SIZE = 16
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+_LM_HEAD_CHUNK = 4096  # vocabulary columns per dot of a 16-bit LM head on a CPU (`_lm_head`)
+
+
+def _matmul(spec: str, x, w):
+    """`jnp.einsum(spec, x, w)` of float32 activations `x` and a parameter `w`, accumulated and returned
+    in float32; a 16-bit `w` takes `x` rounded to its dtype (a 16 x 16 -> 32-bit dot)."""
+    return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
 def rms_norm(x, weight, eps, offset: float = 0.0):
@@ -96,7 +111,7 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
     c = config
     norm = lambda x, w: rms_norm(x, w, c.rms_norm_eps, c.norm_offset)  # noqa: E731
     activation = _ACTIVATIONS[c.activation]
-    x = params.embed[inputs.token_ids]
+    x = from_storage(params.embed[inputs.token_ids]).astype(jnp.float32)  # activations: float32
     if c.embedding_scale != 1.0:
         x = x * jnp.asarray(c.embedding_scale, x.dtype)
     cos, sin, layer_rope = rope_tables(c, inputs)
@@ -105,8 +120,9 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
     def layer(carry, layer_inputs):
         x, pool = carry
         p, layer_id, rope_id, window = layer_inputs
+        p = jax.tree.map(from_storage, p)  # this layer's slice of the stack, in the parameters' dtype
         h = norm(x, p.attn_norm)
-        q, k, v = (jnp.einsum("th,hnd->tnd", h, w) for w in (p.wq, p.wk, p.wv))
+        q, k, v = (_matmul("th,hnd->tnd", h, w) for w in (p.wq, p.wk, p.wv))
         if c.attention_bias:
             q, k, v = q + p.bq, k + p.bk, v + p.bv
         if c.qk_norm:
@@ -115,31 +131,51 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
         pool = backend.write_kv(pool, layer_id, k, v, inputs.slot_mapping)
         attn = backend.attend(q, pool, layer_id, inputs, c.attention_scale,
                               window=window if c.has_windows else None, softcap=c.attn_logit_softcap)
-        out = jnp.einsum("tnd,ndh->th", attn, p.wo)
+        out = _matmul("tnd,ndh->th", attn, p.wo)
         x = x + (norm(out, p.post_attn_norm) if c.sandwich_norms else out)
         h = norm(x, p.mlp_norm)
-        gate = jnp.einsum("th,hi->ti", h, p.w_gate)
-        up = jnp.einsum("th,hi->ti", h, p.w_up)
-        out = jnp.einsum("ti,ih->th", activation(gate) * up, p.w_down)
+        gate = _matmul("th,hi->ti", h, p.w_gate)
+        up = _matmul("th,hi->ti", h, p.w_up)
+        out = _matmul("ti,ih->th", activation(gate) * up, p.w_down)
         x = x + (norm(out, p.post_mlp_norm) if c.sandwich_norms else out)
         return (x, pool), None
 
     layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
     (x, pool), _ = jax.lax.scan(layer, (x, cache.kv), (params.layers, layer_ids, layer_rope, windows))
-    x = norm(x, params.final_norm)
+    x = norm(x, from_storage(params.final_norm))
     return KVCache(kv=pool), x
 
 
 def compute_logits(params: LlamaParams, hidden, *, config: ModelConfig) -> jax.Array:
     """hidden f[..., hidden] -> float32 logits f[..., vocab] (soft-capped where the family caps them)."""
     if params.lm_head is None:
-        logits = jnp.einsum("...h,vh->...v", hidden, params.embed)
+        logits = _matmul("...h,vh->...v", hidden, from_storage(params.embed))
     else:
-        logits = jnp.einsum("...h,hv->...v", hidden, params.lm_head)
+        logits = _lm_head(hidden, params.lm_head)
     logits = logits.astype(jnp.float32)
     if config.final_logit_softcap is not None:
         logits = jnp.tanh(logits / config.final_logit_softcap) * config.final_logit_softcap
     return logits
+
+
+def _lm_head(hidden, w):
+    """hidden f[..., hidden] @ w [hidden, vocab] -> f32[..., vocab]. A 16-bit head on a CPU is a scan
+    over `_LM_HEAD_CHUNK` vocabulary columns at a time: XLA's CPU dot of one 16-bit row by the whole
+    [576, 49152] head of the default model took 50-80 ms (float32: 4-6 ms), in chunks 6 ms."""
+    vocab, size = w.shape[-1], _LM_HEAD_CHUNK
+    num_chunks = vocab // size
+    if jnp.dtype(w.dtype).itemsize != 2 or num_chunks < 2 or jax.default_backend() != "cpu":
+        return _matmul("...h,hv->...v", hidden, from_storage(w))
+    rows = hidden.reshape(-1, hidden.shape[-1])
+
+    def chunk(_, j):
+        return None, _matmul("th,hv->tv", rows, from_storage(jax.lax.dynamic_slice_in_dim(w, j * size, size, 1)))
+
+    _, out = jax.lax.scan(chunk, None, jnp.arange(num_chunks))  # [chunks, rows, size]
+    logits = jnp.moveaxis(out, 0, 1).reshape(rows.shape[0], num_chunks * size)
+    if vocab > num_chunks * size:
+        logits = jnp.concatenate([logits, _matmul("th,hv->tv", rows, from_storage(w[:, num_chunks * size:]))], 1)
+    return logits.reshape(*hidden.shape[:-1], vocab)
 
 
 class _Row(NamedTuple):  # the fields of `jpaged.device.batch.pack_rows`'s rows

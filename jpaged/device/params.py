@@ -26,6 +26,12 @@ Layout (heads are an explicit axis everywhere, so sharding over heads is a layou
 
 q/k projections are in HF's (rotate-half) RoPE convention: llama.cpp's interleaved permutation
 is undone by the loader.
+
+Storage on a CPU (`to_storage`): bfloat16 leaves are kept as their uint16 bit patterns (`BF16_BITS`),
+as the XLA backend keeps a bfloat16 KV pool. XLA's CPU compiler has no bfloat16 dynamic-slice: it
+widens the whole stacked bfloat16 array to float32 for the layer scan's slicing, in every step (a
+decode step over bfloat16 layers took 7x float32's); a uint16 stack is sliced as it is, and the model
+bit-casts each layer's slice back (`from_storage`). Float16 needs no such form.
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+
+BF16_BITS = jnp.dtype(jnp.uint16)  # a bfloat16 parameter stored as its bit patterns (`to_storage`)
 
 
 @struct.dataclass
@@ -129,6 +138,25 @@ def check_params(params, config) -> None:
 def cast_params(params: LlamaParams, dtype) -> LlamaParams:
     """Returns `params` with every floating leaf cast to `dtype`."""
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def to_storage(params: LlamaParams) -> LlamaParams:
+    """`params` as a CPU runner keeps them: every bfloat16 leaf as its uint16 bit patterns (see the
+    module docstring), the others as they are. On a CPU a single-device leaf is reinterpreted in
+    place (the result shares its memory, so the parameters are not held twice); others are copied."""
+    def bits(x):
+        if x.dtype != jnp.bfloat16:
+            return x
+        if isinstance(x, jax.Array) and len(x.devices()) == 1 and next(iter(x.devices())).platform == "cpu":
+            return jax.device_put(np.asarray(x).view(np.uint16), next(iter(x.devices())))  # zero-copy on a CPU
+        return jax.lax.bitcast_convert_type(x, BF16_BITS)
+    return jax.tree.map(bits, params)
+
+
+def from_storage(x: jax.Array) -> jax.Array:
+    """A parameter as the model computes with it: bfloat16 bit patterns (`to_storage`) bit-cast back
+    to bfloat16; any other dtype as it is."""
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == BF16_BITS else x
 
 
 def init_params(config, key, dtype=jnp.float32, scale: float = 0.05) -> LlamaParams:

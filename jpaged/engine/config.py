@@ -25,8 +25,8 @@ class EngineConfig:
     model: a .gguf file, a HF Llama directory or a jpaged checkpoint (None: the embedded default).
     block_size: tokens per KV block (a power of two). num_blocks: the whole device pool, the null
       block included; when None it is sized from `kv_cache_memory` (bytes, or e.g. '1GiB').
-    dtype: of the parameters and the KV pool; on a CPU, of the KV pool alone (the parameters and
-      the computation stay float32 there). attention_backend: 'auto' (Pallas on a GPU, the native
+    dtype: of the parameters and the KV pool; every matmul accumulates in float32 and the activations
+      between them stay float32 (`jpaged.device.model`). attention_backend: 'auto' (Pallas on a GPU, the native
       kernel on a CPU where it was built, else XLA), 'native', 'pallas' or 'xla'; `interpret`
       runs the Pallas kernels in the interpreter.
     max_model_len: the longest sequence (prompt + output), at most the model's context.

@@ -25,7 +25,6 @@ import time
 from typing import Callable, Optional, Sequence as Seq
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jpaged.core import beam_search
@@ -39,7 +38,7 @@ from jpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jpaged.core.sequence import Sequence, SequenceGroup
 from jpaged.device.attention import get_backend
 from jpaged.device.kv_cache import bytes_per_block, check_pool_fits, num_blocks_for_memory, parse_memory_size
-from jpaged.device.params import LlamaParams, cast_params, check_params, num_params
+from jpaged.device.params import LlamaParams, cast_params, check_params, num_params, to_storage
 from jpaged.device.runner import ModelRunner, SampleRow
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.observer import StepObserver, StepRecord
@@ -73,9 +72,10 @@ class LLMEngine:
             raise ValueError("give params or runner, not both: a runner serves the parameters it holds")
         self.config = config
         dtype = config.jnp_dtype  # the KV pool's
-        # XLA's CPU matmuls in 16 bits are several times slower than in float32: there the parameters
-        # and the computation stay float32, and a 16-bit dtype is the pool's alone (bench/README.md)
-        self.param_dtype = jnp.float32 if jax.default_backend() == "cpu" else dtype
+        # and the parameters': every matmul accumulates in float32 and the activations between them are
+        # float32 (jpaged.device.model); on a CPU, the runner holds bfloat16 parameters as their bit
+        # patterns (jpaged.device.params.to_storage, sharing their memory)
+        self.param_dtype = dtype
         backend = None if runner is not None else get_backend(config.attention_backend, interpret=config.interpret)
         # the pool is sized and checked against the memory there is before any weight is read
         model_config = loaded.config if loaded is not None else read_config(config.model)
@@ -137,9 +137,10 @@ class LLMEngine:
             factory = functools.partial(PartitionedBlockManager.from_spec, num_partitions=parts)
         self.scheduler = Scheduler(factory(self.kv_cache_spec), scheduler_config)
         if runner is None:
-            runner = ModelRunner(model_config, self.model.params, num_blocks=num_blocks,
-                                 block_size=config.block_size, dtype=dtype, num_cpu_blocks=num_cpu_blocks,
-                                 backend=backend, sharding=sharding, mesh=mesh)
+            on_cpu = jax.default_backend() == "cpu"
+            runner = ModelRunner(model_config, to_storage(self.model.params) if on_cpu else self.model.params,
+                                 num_blocks=num_blocks, block_size=config.block_size, dtype=dtype,
+                                 num_cpu_blocks=num_cpu_blocks, backend=backend, sharding=sharding, mesh=mesh)
         else:
             _check_runner(runner, model_config, self.kv_cache_spec, dtype)
         self.runner = runner
