@@ -135,6 +135,67 @@ def test_serve_refuses_bad_options_before_loading(monkeypatch, capsys, argv, mes
     assert code == 2 and err.startswith("error: ") and message in err and "Traceback" not in err, err
 
 
+def test_serve_warms_up_by_default_with_its_time_printed(default_model, monkeypatch, capsys):
+    """`jpaged serve` compiles every step shape before serving (progress and time on stderr);
+    `--no-warm-up` starts at once."""
+    from jpaged.device.runner import WarmUp
+    from jpaged.engine import LLMEngine
+    from jpaged.entrypoints import server
+
+    served, warmed = [], []
+
+    def fake_warm_up(engine, progress=None, **kw):
+        for done in (1, 2, 3):
+            progress(done, 3)
+        warmed.append(engine)
+        engine.warm_up_summary = WarmUp(executables={"prefill_step": 2, "decode_step": 1}, built=3, cache_hits=1,
+                                        seconds=4.25)
+        return engine.warm_up_summary
+
+    monkeypatch.setattr(llm_engine, "load_model", lambda path, dtype=None: default_model)
+    monkeypatch.setattr(server, "serve", lambda engine, config, **kw: served.append(engine))
+    monkeypatch.setattr(LLMEngine, "warm_up", fake_warm_up)
+    argv = ["serve", "--num-blocks", "16", "--port", str(_free_port())]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert warmed == served and len(served) == 1, err
+    assert "[jpaged] warming up: compiled 3/3" in err and (
+        "[jpaged] warmed up in 4.2 s: 3 executables (3 built, 1 from the compilation cache)") in err, err
+    assert cli.main([*argv, "--no-warm-up"]) == 0
+    assert len(served) == 2 and len(warmed) == 1 and "warm" not in capsys.readouterr().err
+
+
+def test_compile_cache_flag(monkeypatch, tmp_path):
+    """`--compile-cache`: a directory, or 'none'; not given, jpaged's user cache folder unless JAX already has
+    a cache directory (as here: the test session's)."""
+    import jax
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cli.default_compile_cache_dir() == str(tmp_path / "jpaged" / "xla")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cli.default_compile_cache_dir() == str(tmp_path / "home" / ".cache" / "jpaged" / "xla")
+    enabled = []
+    monkeypatch.setattr(cli, "enable_compile_cache", lambda path=None: enabled.append(path) or path)
+    parser = cli.build_parser()
+    for command in (["generate", "hi"], ["serve"]):
+        args = parser.parse_args([*command, "--compile-cache", str(tmp_path / "c")])
+        assert cli.use_compile_cache(args) == str(tmp_path / "c") and enabled[-1] == str(tmp_path / "c")
+        cli.use_compile_cache(parser.parse_args([*command, "--compile-cache", "none"]))
+        assert enabled[-1] == "none"
+    args = parser.parse_args(["serve"])
+    session = jax.config.jax_compilation_cache_dir
+    try:  # (nothing compiles meanwhile: a cache already in use keeps its directory anyway)
+        jax.config.update("jax_compilation_cache_dir", None)
+        cli.use_compile_cache(args)
+        assert enabled[-1] is None  # jpaged's default folder (`enable_compile_cache(None)`)
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "theirs"))
+        before = len(enabled)
+        assert cli.use_compile_cache(args) == str(tmp_path / "theirs") and len(enabled) == before  # left alone
+    finally:
+        jax.config.update("jax_compilation_cache_dir", session)
+
+
 def test_memory_sizes_in_every_unit_and_terabytes():
     from jpaged.device.kv_cache import parse_memory_size
 

@@ -390,7 +390,8 @@ def test_jpaged_serve_answers_and_drains_on_sigterm(tmp_path):
     env = {**os.environ, "JPAGED_API_KEY": "k3y"}
     grace = 15
     process = subprocess.Popen([sys.executable, "-m", "jpaged.entrypoints.cli", "serve", "--port", str(port),
-                                "--num-blocks", "512", "--served-model-name", MODEL, "--grace-period", str(grace)],
+                                "--num-blocks", "512", "--served-model-name", MODEL, "--grace-period", str(grace),
+                                "--no-warm-up"],  # (the warm-up: tests/test_warm_up.py, tests/test_cli.py)
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k3y", max_retries=0)

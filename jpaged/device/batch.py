@@ -20,11 +20,16 @@ whose compilations must stay few; `row_bucket`). Padding: query-tile slots past 
 have position -1 (they see nothing and are never read back), padded pairs join the last query
 tile with key tile 0 and context length 0 (fully masked: they weigh nothing, and `pair_q` stays
 sorted), and padded key tiles read the null block.
+
+An engine packs with `StepShapes` instead of `pack_rows`: buckets bounded by its limits, in which
+the inputs its attention backend does not read shape nothing, so that every step shape it can
+meet is known ahead and compiled before serving (`LLMEngine.warm_up`).
 """
 
 from __future__ import annotations
 
-from typing import Sequence as Seq
+import dataclasses
+from typing import Callable, Sequence as Seq
 
 import jax
 import numpy as np
@@ -108,35 +113,46 @@ def pack_rows(rows: Seq, *, block_size: int, q_tile: int, k_tile: int) -> ModelI
 
     A row computes its tokens at positions start_position.. and then holds start_position +
     len(token_ids) tokens; `block_table` covers all of them. `k_tile` must be a multiple of
-    `block_size`.
+    `block_size`. Shapes: the buckets of the module docstring, with no limit known (an engine packs
+    with its `StepShapes` instead, whose shapes are bounded by its limits and can be enumerated).
     """
     if k_tile % block_size:
         raise ValueError(f"k_tile ({k_tile}) must be a multiple of block_size ({block_size})")
-    blocks_per_tile = k_tile // block_size
     lens = [len(r.token_ids) for r in rows]
-    total = sum(lens)
     prefill = max(lens) > 1  # decode steps are many and small: coarse buckets keep their compilations few
+    tiles = _tiles(rows, q_tile, k_tile, k_tile // block_size)
+    q_tiles, k_tiles, pairs = tiles
     num_rows = bucket(len(rows)) if prefill else row_bucket(len(rows))
-    num_tokens = fine_bucket(total, 16) if prefill else num_rows  # decode: N == B
-    token_ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
-    slots = np.zeros(num_tokens, np.int32)
-    logits_index = np.zeros(num_rows, np.int32)
-    context_lens = np.zeros(num_rows, np.int32)
-    width = bucket(max(len(r.block_table) for r in rows), 4)
-    block_tables = np.zeros((num_rows, width), np.int32)
+    dims = StepDims(num_tokens=fine_bucket(sum(lens), 16) if prefill else num_rows,  # decode: N == B
+                    num_rows=num_rows, width=bucket(max(len(r.block_table) for r in rows), 4),
+                    num_q=bucket(len(q_tiles)) if prefill else num_rows, num_k=bucket(len(k_tiles)),
+                    num_pairs=fine_bucket(len(pairs), steps=4 if prefill else 2))
+    return _fill(rows, dims, q_tile=q_tile, blocks_per_tile=k_tile // block_size, tiles=tiles)
 
-    q_tiles, k_tiles, pairs = [], [], []  # (start token, count, first pos) / (blocks, start pos) / (qt, kt, len)
+
+@dataclasses.dataclass(frozen=True)
+class StepDims:
+    """The padded sizes of one step's `ModelInputs` (steps of equal dims and kind share an executable):
+    num_tokens N, num_rows B, width M (block-table columns), num_q NQ (query tiles), num_k NK (key
+    tiles), num_pairs P. An input the attention backend does not read is packed at a fixed size of
+    one entry (the plan: NQ = NK = P = 1; the block tables: M = 1), so it shapes nothing."""
+
+    num_tokens: int
+    num_rows: int
+    width: int
+    num_q: int
+    num_k: int
+    num_pairs: int
+
+
+def _tiles(rows: Seq, q_tile: int, k_tile: int, blocks_per_tile: int) -> tuple[list, list, list]:
+    """A step's query tiles (start token, count, first position), key tiles (blocks, start position)
+    and pairs (query tile, key tile, context length): see the module docstring."""
+    q_tiles, k_tiles, pairs = [], [], []
     start = 0
-    for b, r in enumerate(rows):
-        n, first = lens[b], r.start_position
+    for r in rows:
+        n, first = len(r.token_ids), r.start_position
         context = first + n
-        token_ids[start:start + n] = r.token_ids
-        positions[start:start + n] = np.arange(first, context)
-        slots[start:start + n] = r.slots
-        logits_index[b] = start + n - 1
-        context_lens[b] = context
-        block_tables[b, :len(r.block_table)] = r.block_table
         row_k = len(k_tiles)
         for t in range(-(-context // k_tile)):
             k_tiles.append((r.block_table[t * blocks_per_tile:(t + 1) * blocks_per_tile], t * k_tile))
@@ -146,29 +162,245 @@ def pack_rows(rows: Seq, *, block_size: int, q_tile: int, k_tile: int) -> ModelI
             last_position = first + min(t0 + q_tile, n) - 1
             pairs.extend((qt, row_k + t, context) for t in range(last_position // k_tile + 1))
         start += n
+    return q_tiles, k_tiles, pairs
 
-    num_q, num_k = (bucket(len(q_tiles)) if prefill else num_rows), bucket(len(k_tiles))
-    num_pairs = fine_bucket(len(pairs), steps=4 if prefill else 2)
+
+def _fill(rows: Seq, dims: StepDims, *, q_tile: int, blocks_per_tile: int, tiles=None,
+          tables: bool = True) -> ModelInputs:
+    """`rows` packed into arrays of `dims` (each at least what the rows need); `tiles` (`_tiles`), or
+    None for a one-entry plan that nothing reads; `tables`: False for block tables that nothing reads
+    (zeros)."""
+    num_tokens, num_rows, width = dims.num_tokens, dims.num_rows, dims.width
+    token_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    slots = np.zeros(num_tokens, np.int32)
+    logits_index = np.zeros(num_rows, np.int32)
+    context_lens = np.zeros(num_rows, np.int32)
+    block_tables = np.zeros((num_rows, width), np.int32)
+    start = 0
+    for b, r in enumerate(rows):
+        n, first = len(r.token_ids), r.start_position
+        token_ids[start:start + n] = r.token_ids
+        positions[start:start + n] = np.arange(first, first + n)
+        slots[start:start + n] = r.slots
+        logits_index[b] = start + n - 1
+        context_lens[b] = first + n
+        if tables:
+            block_tables[b, :len(r.block_table)] = r.block_table
+        start += n
+    num_q, num_k, num_pairs = dims.num_q, dims.num_k, dims.num_pairs
     q_index = np.zeros((num_q, q_tile), np.int32)
     q_positions = np.full((num_q, q_tile), -1, np.int32)
-    token_slot = np.zeros(num_tokens, np.int32)
-    for i, (s, count, pos) in enumerate(q_tiles):
-        q_index[i, :count] = np.arange(s, s + count)
-        q_positions[i, :count] = np.arange(pos, pos + count)
-        token_slot[s:s + count] = i * q_tile + np.arange(count)
+    token_slot = np.zeros(num_tokens if tiles is not None else 1, np.int32)
     k_blocks = np.zeros((num_k, blocks_per_tile), np.int32)
     k_start = np.zeros(num_k, np.int32)
-    for i, (blocks, pos) in enumerate(k_tiles):
-        k_blocks[i, :len(blocks)] = blocks
-        k_start[i] = pos
     pair_arr = np.zeros((num_pairs, 3), np.int32)
     pair_arr[:, 0] = num_q - 1
-    pair_arr[:len(pairs)] = pairs
+    if tiles is not None:
+        q_tiles, k_tiles, pairs = tiles
+        for i, (s, count, pos) in enumerate(q_tiles):
+            q_index[i, :count] = np.arange(s, s + count)
+            q_positions[i, :count] = np.arange(pos, pos + count)
+            token_slot[s:s + count] = i * q_tile + np.arange(count)
+        for i, (blocks, pos) in enumerate(k_tiles):
+            k_blocks[i, :len(blocks)] = blocks
+            k_start[i] = pos
+        pair_arr[:len(pairs)] = pairs
     plan = AttentionPlan(q_index=q_index, q_positions=q_positions, k_blocks=k_blocks, k_start=k_start,
                          pair_q=pair_arr[:, 0], pair_k=pair_arr[:, 1], pair_len=pair_arr[:, 2],
                          token_slot=token_slot)
     return ModelInputs(token_ids=token_ids, positions=positions, slot_mapping=slots, logits_index=logits_index,
                        block_tables=block_tables, context_lens=context_lens, plan=plan)
+
+
+def bucket_values(lo: int, hi: int, bucket_of: Callable[[int], int]) -> list[int]:
+    """Every value `bucket_of` (non-decreasing, bucket_of(n) >= n) takes on lo..hi, ascending."""
+    values, v = [], bucket_of(max(lo, 1))
+    last = bucket_of(max(hi, lo, 1))
+    while True:
+        values.append(v)
+        if v >= last:
+            return values
+        v = bucket_of(v + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+    """An engine's shape buckets, bounded by its limits, so that every step shape it can meet is known
+    ahead (`all_dims`) and can be compiled before serving (`LLMEngine.warm_up`).
+
+    Limits: `max_num_seqs` (rows of a step), `max_prefill_tokens` (tokens a prefill step computes),
+    `max_model_len` (a row's context), `max_width` (block-table entries a row can have),
+    `prefix_caching` (whether a prefill row may start past cached tokens). `reads_plan` /
+    `reads_tables` (prefill, decode): whether the attention backend reads the attention plan / the
+    block tables in each step kind; what it does not read is packed at one entry and shapes nothing.
+
+    Each step kind has one dimension that carries its work, bucketed finely; the others follow from it
+    and from the limits, so that the shapes stay few:
+    - decode: B = row_bucket(rows) (N = NQ = B); block tables M = `max_width` whole (the kernels read a
+      row's entries up to its context length only: the width costs its int32 entries and no work);
+      plan (the XLA path, whose attention work is its pairs): P = fine_bucket(pairs, steps=2), NK = P.
+    - prefill: N = fine_bucket(tokens, 16); without a plan, B (rows, whose logits are computed) is
+      bucket(N) / 8 when the rows fit (padded logits rows then cost under ~5% of the step's FLOPs), else
+      bucket(N) (every row computes a token), at most the row cap; with a plan, P = bucket(pairs), and
+      B = bucket(min(N, P)) (every row has a pair), NQ and NK the least of P and their bounds.
+    Samples beyond the logits rows (a fresh group of n samples draws n from one prompt row) are drawn
+    in several sampler calls of the logits' row count (`ModelRunner.sample`), so that the sampler
+    meets one sample count per logits row count.
+    """
+
+    block_size: int
+    q_tile: int
+    prefill_k_tile: int
+    decode_k_tile: int
+    max_num_seqs: int
+    max_prefill_tokens: int
+    max_model_len: int
+    max_width: int
+    prefix_caching: bool = False
+    reads_plan: tuple[bool, bool] = (True, True)
+    reads_tables: tuple[bool, bool] = (True, True)
+
+    # ---- buckets -------------------------------------------------------------------------------
+
+    @property
+    def max_rows(self) -> int:
+        """Rows of the largest step (the row cap)."""
+        return row_bucket(self.max_num_seqs)
+
+    @staticmethod
+    def token_bucket(n: int) -> int:
+        return fine_bucket(n, 16)
+
+    @staticmethod
+    def pair_bucket(n: int, *, decode: bool) -> int:
+        return fine_bucket(n, steps=2) if decode else bucket(n)
+
+    def prefill_row_options(self, num_tokens: int) -> list[int]:
+        """The row counts B of a prefill of `num_tokens` padded tokens, without a plan (the least that fits)."""
+        cap = self.max_rows
+        return sorted({min(cap, max(1, bucket(num_tokens) // 8)), min(cap, bucket(num_tokens))})
+
+    def plan_rows(self, num_tokens: int, num_pairs: int) -> int:
+        """The row count B of a prefill with a plan: every row has a token and a pair."""
+        return min(self.max_rows, bucket(min(num_tokens, num_pairs)))
+
+    def _prefill_bounds(self, num_tokens: int, num_rows: int) -> tuple[int, int, int]:
+        """Upper bounds of (query tiles, key tiles, pairs) of a prefill of at most `num_tokens` tokens
+        in at most `num_rows` rows. A row of n tokens has m = ceil(n / q_tile) query tiles, and the
+        step's extra tiles sum(m - 1) stay below tokens / q_tile; query tile j of a row that starts at
+        position 0 pairs with ((j + 1) * q_tile - 1) // k_tile + 1 key tiles at most, a number that
+        grows with j, so the pairs are most when the extra tiles fill whole rows of `max_model_len`.
+        A row past cached tokens (prefix caching) has up to ceil(max_model_len / k_tile) pairs per tile."""
+        q, k, length = self.q_tile, self.prefill_k_tile, self.max_model_len
+        num_rows = min(num_rows, num_tokens)  # every row computes a token
+        extra = -(-num_tokens // q) - 1
+        num_q = min(num_rows + extra, num_tokens)
+        per_tile = -(-length // k)
+        if self.prefix_caching:
+            return num_q, num_rows * per_tile, num_q * per_tile
+        num_k = min(num_rows + -(-num_tokens // k) - 1, num_tokens)
+        per_row = -(-length // q) - 1  # a row's extra tiles, at most
+        if per_row == 0:
+            return num_q, num_k, num_rows
+        full, rest = divmod(extra, per_row)
+        return num_q, num_k, num_rows + full * _extra_tile_pairs(per_row, q, k) + _extra_tile_pairs(rest, q, k)
+
+    def dims(self, rows: Seq, *, decode: bool, tiles=None) -> StepDims:
+        """The padded dims of a step over `rows` (`tiles`: their `_tiles`, where the plan is read)."""
+        plan, tables = self.reads_plan[decode], self.reads_tables[decode]
+        width = self.max_width if tables else 1
+        if decode:
+            num_rows = row_bucket(len(rows))
+            num_pairs = self.pair_bucket(len(tiles[2]), decode=True) if plan else 1
+            return StepDims(num_tokens=num_rows, num_rows=num_rows, width=width, num_q=num_rows if plan else 1,
+                            num_k=num_pairs, num_pairs=num_pairs)
+        num_tokens = self.token_bucket(sum(len(r.token_ids) for r in rows))
+        if not plan:
+            num_rows = next((b for b in self.prefill_row_options(num_tokens) if b >= len(rows)), len(rows))
+            return StepDims(num_tokens, num_rows, width, 1, 1, 1)
+        num_pairs = self.pair_bucket(len(tiles[2]), decode=False)
+        num_rows = self.plan_rows(num_tokens, num_pairs)
+        max_q, max_k, _ = self._prefill_bounds(num_tokens, num_rows)
+        return StepDims(num_tokens, num_rows, width, min(num_pairs, max_q), min(num_pairs, max_k), num_pairs)
+
+    def pack(self, rows: Seq, *, decode: bool) -> ModelInputs:
+        """Packs a step's rows (as `pack_rows` does) at this engine's buckets."""
+        if decode and any(len(r.token_ids) != 1 for r in rows):
+            raise ValueError("a decode row computes exactly one token")
+        q_tile, k_tile = (1 if decode else self.q_tile), (self.decode_k_tile if decode else self.prefill_k_tile)
+        tiles = _tiles(rows, q_tile, k_tile, k_tile // self.block_size) if self.reads_plan[decode] else None
+        return _fill(rows, self.dims(rows, decode=decode, tiles=tiles), q_tile=q_tile,
+                     blocks_per_tile=k_tile // self.block_size, tiles=tiles, tables=self.reads_tables[decode])
+
+    # ---- every shape -------------------------------------------------------------------------------
+
+    def all_dims(self, *, decode: bool) -> list[StepDims]:
+        """Every `StepDims` a step of this kind can take within the limits (the bounds are upper
+        bounds: a few of them may never occur)."""
+        plan, tables = self.reads_plan[decode], self.reads_tables[decode]
+        width = self.max_width if tables else 1
+        out = []
+        previous = 0
+        if decode:
+            per_row = -(-self.max_model_len // self.decode_k_tile)  # a row's key tiles, at most
+            for b in bucket_values(1, self.max_num_seqs, row_bucket):
+                if not plan:
+                    out.append(StepDims(b, b, width, 1, 1, 1))
+                else:  # pairs: at least one per row (more rows than the bucket below), at most per_row
+                    out += [StepDims(b, b, width, b, p, p)
+                            for p in bucket_values(previous + 1, b * per_row, self.pair_bucket_of(True))]
+                previous = b
+            return out
+        for n in bucket_values(1, self.max_prefill_tokens, self.token_bucket):
+            if not plan:
+                out += [StepDims(n, b, width, 1, 1, 1) for b in self.prefill_row_options(n)]
+            else:  # pairs: at least one per query tile (more tokens than the bucket below)
+                _, _, max_pairs = self._prefill_bounds(n, min(n, self.max_num_seqs))
+                for p in bucket_values(-(-(previous + 1) // self.q_tile), max_pairs, self.pair_bucket_of(False)):
+                    b = self.plan_rows(n, p)
+                    max_q, max_k, _ = self._prefill_bounds(n, b)
+                    out.append(StepDims(n, b, width, min(p, max_q), min(p, max_k), p))
+            previous = n
+        return out
+
+    def pair_bucket_of(self, decode: bool) -> Callable[[int], int]:
+        return lambda n: self.pair_bucket(n, decode=decode)
+
+    def abstract_inputs(self, dims: StepDims, *, decode: bool) -> ModelInputs:
+        """`ModelInputs` of `jax.ShapeDtypeStruct`s of `dims`: what compiling a step needs."""
+        q_tile, k_tile = (1 if decode else self.q_tile), (self.decode_k_tile if decode else self.prefill_k_tile)
+
+        def i32(*shape):
+            return jax.ShapeDtypeStruct(shape, np.int32)
+
+        n, b = dims.num_tokens, dims.num_rows
+        return ModelInputs(
+            token_ids=i32(n), positions=i32(n), slot_mapping=i32(n), logits_index=i32(b),
+            block_tables=i32(b, dims.width), context_lens=i32(b),
+            plan=AttentionPlan(q_index=i32(dims.num_q, q_tile), q_positions=i32(dims.num_q, q_tile),
+                               k_blocks=i32(dims.num_k, k_tile // self.block_size), k_start=i32(dims.num_k),
+                               pair_q=i32(dims.num_pairs), pair_k=i32(dims.num_pairs),
+                               pair_len=i32(dims.num_pairs),
+                               token_slot=i32(n if self.reads_plan[decode] else 1)))
+
+    def top_bucket(self, num_top: int) -> int:
+        """The top log-probabilities the sampler computes when `num_top` are asked for: 0 or 1 as asked
+        (1: the argmax, free), 32 (`logprobs` up to 20, beam search up to 16 beams), else `max_top`."""
+        return num_top if num_top <= 1 else 32 if num_top <= 32 else self.max_top
+
+    @property
+    def max_top(self) -> int:
+        """Top log-probabilities a request can ask for: 20, or two per beam of the widest beam search."""
+        return max(32, bucket(max(20, 2 * self.max_num_seqs)))
+
+    def top_buckets(self) -> list[int]:
+        return sorted({1, 32, self.max_top})
+
+
+def _extra_tile_pairs(extra: int, q_tile: int, k_tile: int) -> int:
+    """Pairs of query tiles 1..extra of a row that starts at position 0, at most."""
+    return sum(((j + 1) * q_tile - 1) // k_tile + 1 for j in range(1, extra + 1))
 
 
 def stack_inputs(packed: Seq[ModelInputs]) -> ModelInputs:

@@ -29,17 +29,20 @@ comes back to the host (sampled tokens, blocks swapped out) is replicated, so ev
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 import time
 import types
-from typing import Sequence as Seq
+from typing import Callable, Optional, Sequence as Seq
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.device.batch import DataParallelInputs, ModelInputs, bucket, pack_rows, row_bucket, stack_inputs
+from jpaged.device.batch import (DataParallelInputs, ModelInputs, StepShapes, bucket, bucket_values, pack_rows,
+                                 row_bucket, stack_inputs)
 from jpaged.device.config import ModelConfig
 from jpaged.device.kv_cache import KVCache, back_with_huge_pages, pool_shape
 from jpaged.device.model import compute_logits, forward
@@ -81,6 +84,36 @@ class DeviceCall:
     cpu_seconds: float
     compile_seconds: float = 0.0
     compile_cpu_seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmUp:
+    """What `ModelRunner.warm_up` did.
+
+    executables: every executable the shapes need, by name ("prefill_step", "decode_step", "sample",
+      "copy_blocks", "read_blocks", "write_blocks"); built: how many of them it built (the others
+      existed already); cache_hits: of those, how many JAX's persistent compilation cache gave instead
+      of compiling them; seconds: its wall time.
+    """
+
+    executables: dict
+    built: int
+    cache_hits: int
+    seconds: float
+
+    @property
+    def num_executables(self) -> int:
+        return sum(self.executables.values())
+
+
+# the sampler's static variants (use_filter, use_random): greedy, random draws, filtered draws
+_SAMPLE_MODES = ((False, False), (False, True), (True, True))
+
+
+# attention backend name -> whether it reads the attention plan / the block tables, in (prefill, decode)
+# steps (what a backend does not read is packed at one entry: it adds no shape). Others: everything.
+_READS = {"native": ((False, False), (True, True)), "pallas": ((True, False), (False, True)),
+          "xla": ((True, True), (False, False))}
 
 
 # executable name -> position of the KV cache it takes donated (and returns, first if several outputs)
@@ -227,6 +260,8 @@ class ModelRunner:
             }
         self._jits["sample"] = sample
         self._executables: dict = {}
+        self.num_warm_up_compilations = 0  # executables `warm_up` built
+        self.num_compilations_after_warm_up = 0  # executables built by runs since the last warm-up (or ever)
         self._calls: list[DeviceCall] = []
         self.compile_seconds = 0.0  # building executables, their untimed first runs included
         self.device_seconds = 0.0  # time inside compiled executables, synchronised (the rest of a step is host time)
@@ -260,6 +295,8 @@ class ModelRunner:
 
     @property
     def num_compilations(self) -> int:
+        """Every executable built: by `warm_up` and by runs (`num_warm_up_compilations`,
+        `num_compilations_after_warm_up`, which counts those of runs since the last warm-up)."""
         return len(self._executables)
 
     @property
@@ -306,14 +343,14 @@ class ModelRunner:
         """Runs executable `name` on `args`, building it first if this shape is new. A new
         executable runs once untimed before the timed run: every executable here is idempotent,
         and the cache it takes donated (`_DONATED`) is threaded from the first run to the second."""
-        shape = (tuple(static.items()),
-                 tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args) if hasattr(x, "shape")))
+        shape = _shape_key(args, static)
         executable = self._executables.get((name, shape))
         compile_seconds = compile_cpu_seconds = 0.0
         if executable is None:
             t0, c0 = time.perf_counter(), time.process_time()
             executable = self._jits[name].lower(*args, **static).compile()
             self._executables[(name, shape)] = executable
+            self.num_compilations_after_warm_up += 1
             out = jax.block_until_ready(executable(*args))
             if name in _DONATED:  # the donated cache was consumed: the timed run takes the new one
                 i = _DONATED[name]
@@ -329,14 +366,30 @@ class ModelRunner:
 
     # ---- model steps -------------------------------------------------------------------------
 
-    def make_inputs(self, rows: Seq, *, decode: bool) -> ModelInputs | DataParallelInputs:
+    def make_inputs(self, rows: Seq, *, decode: bool, shapes: Optional[StepShapes] = None
+                    ) -> ModelInputs | DataParallelInputs:
         """Packs `rows` (see `jpaged.device.batch.pack_rows`; the scheduler's `Row`s): decode rows are
-        one token each, prefill rows any number. Data parallel: each rank's rows apart, stacked."""
+        one token each, prefill rows any number; at the buckets of `shapes` (`step_shapes`) when given.
+        Data parallel: each rank's rows apart, stacked (`shapes` is for one partition: not taken)."""
         if decode and any(len(r.token_ids) != 1 for r in rows):
             raise ValueError("a decode row computes exactly one token")
         if self.num_partitions > 1:
+            if shapes is not None:
+                raise ValueError("step shapes are for one data-parallel partition: pack these rows without")
             return self._data_parallel_inputs(rows, decode=decode)
+        if shapes is not None:
+            return shapes.pack(rows, decode=decode)
         return self._pack(rows, decode=decode)
+
+    def step_shapes(self, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int, max_width: int,
+                    prefix_caching: bool = False) -> StepShapes:
+        """The shape buckets of an engine with these limits on this runner (its tiles, and what its
+        attention backend reads): see `jpaged.device.batch.StepShapes`."""
+        plan, tables = _READS.get(getattr(self.backend, "name", None), ((True, True), (True, True)))
+        return StepShapes(block_size=self.block_size, q_tile=self.prefill_q_tile, prefill_k_tile=self.prefill_k_tile,
+                          decode_k_tile=self.decode_k_tile, max_num_seqs=max_num_seqs,
+                          max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, max_width=max_width,
+                          prefix_caching=prefix_caching, reads_plan=plan, reads_tables=tables)
 
     def _pack(self, rows: Seq, *, decode: bool) -> ModelInputs:
         if decode:
@@ -381,11 +434,23 @@ class ModelRunner:
             self.cache, logits = self._run(name, self.params, self.cache, inputs)
         return logits
 
-    def sample(self, logits: jax.Array, rows: Seq[SampleRow], num_top: int) -> dict[str, np.ndarray]:
-        """Draws one token per sample row. Returns numpy arrays token_ids, logprobs, top_ids, top_logprobs."""
-        n = row_bucket(len(rows))
+    def sample(self, logits: jax.Array, rows: Seq[SampleRow], num_top: int, *,
+               shapes: Optional[StepShapes] = None) -> dict[str, np.ndarray]:
+        """Draws one token per sample row. Returns numpy arrays token_ids, logprobs, top_ids, top_logprobs.
+
+        With `shapes` (an engine's buckets), the sampler runs on as many sample rows as `logits` has rows
+        (several runs when there are more samples: a prefill's groups of n samples) and computes
+        `shapes.top_bucket(num_top)` top log-probabilities, so that its shapes are those `warm_up` built."""
+        if shapes is None:
+            size, top = row_bucket(len(rows)), bucket(num_top) if num_top else 0
+        else:
+            size, top = logits.shape[0], shapes.top_bucket(num_top)
+        parts = [self._sample(logits, rows[i:i + size], size, top) for i in range(0, max(len(rows), 1), size)]
+        return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+    def _sample(self, logits, rows: Seq[SampleRow], size: int, num_top: int) -> dict[str, np.ndarray]:
         dtypes = {"temperature": np.float32, "top_p": np.float32, "seed": np.uint32}
-        columns = {f.name: np.zeros(n, dtypes.get(f.name, np.int32)) for f in dataclasses.fields(SampleRow)}
+        columns = {f.name: np.zeros(size, dtypes.get(f.name, np.int32)) for f in dataclasses.fields(SampleRow)}
         columns["top_p"][:] = 1.0
         for i, r in enumerate(rows):
             for name in columns:
@@ -395,9 +460,8 @@ class ModelRunner:
                                 step=columns["step"])
         use_filter = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0) for r in rows)
         use_random = any(r.temperature > 0 for r in rows)
-        out = self._run("sample", logits, columns["row"], params, num_top=bucket(num_top) if num_top else 0,
-                        use_filter=use_filter, use_random=use_random)
-        out = jax.device_get(out)
+        out = jax.device_get(self._run("sample", logits, columns["row"], params, num_top=num_top,
+                                       use_filter=use_filter, use_random=use_random))
         k = len(rows)
         return {"token_ids": out.token_ids[:k], "logprobs": out.logprobs[:k],
                 "top_ids": out.top_ids[:k], "top_logprobs": out.top_logprobs[:k]}
@@ -445,3 +509,88 @@ class ModelRunner:
             blocks = jax.device_put(blocks, self._moved)
         # padded entries write CPU block 0's content into the null block, which nothing reads unmasked
         self.cache = self._run("write_blocks", self.cache, device_ids, blocks)
+
+    # ---- warm-up -----------------------------------------------------------------------------
+
+    def warm_up(self, shapes: StepShapes, *, progress: Optional[Callable[[int, int], None]] = None,
+                workers: Optional[int] = None) -> WarmUp:
+        """Builds, before any step and without running anything, every executable that steps packed at
+        `shapes` can run: the model steps of `shapes.all_dims` (prefill and decode), the sampler for every
+        logits row count, top log-probability bucket and variant (greedy, random, filtered), the
+        copy-on-write copies (up to one per sequence) and, with a CPU pool, the swaps (up to its size).
+        Compiled from abstract shapes (`jit(...).lower(...).compile()`), so the pool is not touched.
+        Lowering runs in this thread, compiling in `workers` threads (default: the CPU count, at most
+        4); `progress(done, total)` is called after each. Executables built already are kept.
+        Afterwards, `num_compilations_after_warm_up` counts what runs still build (0 within the limits)."""
+        if self.num_partitions > 1:
+            raise ValueError("warm_up covers one data-parallel partition: a data-parallel runner packs its "
+                             "ranks' rows without step shapes")
+        start = time.perf_counter()
+        jobs = self._warm_up_jobs(shapes)
+        counts: dict[str, int] = {}
+        todo = {}
+        for name, args, static in jobs:
+            counts[name] = counts.get(name, 0) + 1
+            key = (name, _shape_key(args, static))
+            if key not in self._executables:
+                todo.setdefault(key, (name, args, static))
+        hits = []
+
+        def on_event(event, **_):
+            if event == "/jax/compilation_cache/cache_hits":
+                hits.append(event)
+
+        jax.monitoring.register_event_listener(on_event)
+        workers = workers or min(4, os.cpu_count() or 1)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                futures = {}
+                for key, (name, args, static) in todo.items():
+                    futures[pool.submit(self._jits[name].lower(*args, **static).compile)] = key
+                for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+                    self._executables[futures[future]] = future.result()
+                    self.num_warm_up_compilations += 1
+                    if progress is not None:
+                        progress(done, len(futures))
+        finally:
+            jax.monitoring.unregister_event_listener(on_event)
+        self.num_compilations_after_warm_up = 0
+        return WarmUp(executables=counts, built=len(todo), cache_hits=len(hits), seconds=time.perf_counter() - start)
+
+    def _warm_up_jobs(self, shapes: StepShapes) -> list[tuple[str, tuple, dict]]:
+        """(name, arguments, static options) of every executable `warm_up` builds; arrays the steps
+        pass from the host are `jax.ShapeDtypeStruct`s of the shapes they would have."""
+        def sds(shape, dtype, sharding=None):
+            return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)
+
+        jobs = []
+        for decode in (False, True):
+            name = "decode_step" if decode else "prefill_step"
+            for dims in shapes.all_dims(decode=decode):
+                jobs.append((name, (self.params, self.cache, shapes.abstract_inputs(dims, decode=decode)), {}))
+        vocab = self.params.lm_head.shape[-1]
+        logits_sharding = self.sharding.replicated(self.mesh) if self.sharding is not None else None
+        for rows in bucket_values(1, shapes.max_num_seqs, row_bucket):  # every logits row count of a step
+            params = SamplingInputs(temperature=sds([rows], np.float32), top_k=sds([rows], np.int32),
+                                    top_p=sds([rows], np.float32), seed=sds([rows], np.uint32),
+                                    sample_index=sds([rows], np.int32), step=sds([rows], np.int32))
+            for top in shapes.top_buckets():
+                for use_filter, use_random in _SAMPLE_MODES:
+                    jobs.append(("sample", (sds([rows, vocab], np.float32, logits_sharding), sds([rows], np.int32),
+                                            params), dict(num_top=top, use_filter=use_filter, use_random=use_random)))
+        for n in bucket_values(1, shapes.max_num_seqs, bucket):  # copy-on-write: one per appended sequence
+            jobs.append(("copy_blocks", (self.cache, sds([n, 2], np.int32)), {}))
+        if self.num_cpu_blocks:
+            moved = self.cpu_kv.shape
+            for n in bucket_values(1, min(self.num_cpu_blocks, self.num_blocks - 1), bucket):
+                jobs.append(("read_blocks", (self.cache, sds([n], np.int32)), {}))
+                jobs.append(("write_blocks", (self.cache, sds([n], np.int32),
+                                              sds((moved[0], n, *moved[2:]), self.cpu_kv.dtype, self._moved)), {}))
+        return jobs
+
+
+def _shape_key(args, static: dict) -> tuple:
+    """What keys an executable besides its name: its static options and its array arguments' shapes
+    and dtypes (arrays, numpy arrays and `jax.ShapeDtypeStruct`s alike)."""
+    return (tuple(static.items()),
+            tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args) if hasattr(x, "shape")))

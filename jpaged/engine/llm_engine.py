@@ -39,7 +39,7 @@ from jpaged.core.sequence import Sequence, SequenceGroup
 from jpaged.device.attention import get_backend
 from jpaged.device.kv_cache import bytes_per_block, check_pool_fits, num_blocks_for_memory, parse_memory_size
 from jpaged.device.params import LlamaParams, cast_params, check_params, num_params, to_storage
-from jpaged.device.runner import ModelRunner, SampleRow
+from jpaged.device.runner import ModelRunner, SampleRow, WarmUp
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.observer import StepObserver, StepRecord
 from jpaged.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -144,6 +144,9 @@ class LLMEngine:
         else:
             _check_runner(runner, model_config, self.kv_cache_spec, dtype)
         self.runner = runner
+        # the shape buckets of this engine's steps, bounded by its limits (one data-parallel partition)
+        self.shapes = None if parts > 1 else runner.step_shapes(**self._step_limits(scheduler_config))
+        self.warm_up_summary = None  # what `warm_up` did, once called
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self._rng = np.random.default_rng(config.seed)
         self._seq_ids = itertools.count()
@@ -163,6 +166,36 @@ class LLMEngine:
     @property
     def num_blocks(self) -> int:
         return self.kv_cache_spec.num_blocks
+
+    def _step_limits(self, scheduler_config: SchedulerConfig) -> dict:
+        """The most a step can hold (`ModelRunner.step_shapes`). Rows: max_num_seqs. Prefill tokens: the
+        token budget, except that a step's first group is always admitted: a prompt (under the context) or
+        a group re-prefilled after preemption by recompute (its sequences, each up to the context, within
+        the pool's tokens). Block-table entries: the context's blocks, at most the pool's without a sliding
+        window (whose released entries point at the null block)."""
+        spec, length = self.kv_cache_spec, self.max_model_len
+        pool_tokens = (spec.num_blocks // self.num_partitions - 1) * spec.block_size
+        tokens = max(scheduler_config.max_num_batched_tokens, length - 1,
+                     min(scheduler_config.max_num_seqs * length, pool_tokens))
+        width = blocks_for(length, spec.block_size)
+        if spec.sliding_window is None:
+            width = min(width, spec.num_blocks // self.num_partitions - 1)
+        return dict(max_num_seqs=scheduler_config.max_num_seqs, max_prefill_tokens=tokens, max_model_len=length,
+                    max_width=width, prefix_caching=spec.enable_prefix_caching)
+
+    def warm_up(self, progress: Optional[Callable[[int, int], None]] = None, *,
+                workers: Optional[int] = None) -> WarmUp:
+        """Compiles, before serving, every executable this engine's steps can run within its limits
+        (max_num_seqs, the prefill token budget, max_model_len, the pool; see `_step_limits` and
+        `jpaged.device.batch.StepShapes`), so that no step compiles afterwards: `stats()`'s
+        `num_compilations_after_warm_up` stays 0. `progress(done, total)` is called after each
+        executable built. Returns (and keeps as `warm_up_summary`) a `jpaged.device.runner.WarmUp`.
+        With JAX's persistent compilation cache on, a second start loads them instead of compiling.
+        Data parallel (several partitions) is not covered: raises ValueError."""
+        if self.shapes is None:
+            raise ValueError("warm_up covers engines of one data-parallel partition (data_parallel_size=1)")
+        self.warm_up_summary = self.runner.warm_up(self.shapes, progress=progress, workers=workers)
+        return self.warm_up_summary
 
     # ---- observers ---------------------------------------------------------------------------
 
@@ -333,7 +366,7 @@ class LLMEngine:
         self.runner.swap_out(out.ops.swap_out)
         self.runner.swap_in(out.ops.swap_in)
         self.runner.copy_blocks(out.ops.copy_pairs)
-        inputs = self.runner.make_inputs(out.rows, decode=out.is_decode)
+        inputs = self.runner.make_inputs(out.rows, decode=out.is_decode, shapes=self.shapes)
         logits = self.runner.run_step(inputs, decode=out.is_decode)
         group_of = {s.seq_id: g for g in out.groups for s in g.seqs}
         sample_rows, targets = [], []
@@ -346,7 +379,7 @@ class LLMEngine:
                                              len(seq.output_token_ids)))
                 targets.append(seq)
         num_top = max(g.params.num_top_logprobs for g in out.groups)
-        samples = self.runner.sample(logits, sample_rows, num_top)
+        samples = self.runner.sample(logits, sample_rows, num_top, shapes=self.shapes)
         now = time.monotonic()
         by_group: dict[str, list[tuple[Sequence, int]]] = collections.defaultdict(list)
         for i, seq in enumerate(targets):
@@ -525,6 +558,8 @@ class LLMEngine:
             "num_prefilled_tokens": s.num_prompt_tokens - s.num_cached_prompt_tokens,
             "num_steps": self.num_steps,
             "num_compilations": self.runner.num_compilations,
+            "num_warm_up_compilations": self.runner.num_warm_up_compilations,
+            "num_compilations_after_warm_up": self.runner.num_compilations_after_warm_up,
             "num_devices": len(self.runner.devices), "kv_head_replication": self.runner.kv_head_replication,
             "compile_seconds": self.runner.compile_seconds,
             "waiting": len(s.waiting), "running": len(s.running), "swapped": len(s.swapped),

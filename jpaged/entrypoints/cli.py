@@ -3,6 +3,8 @@
 `jpaged generate`: one prompt streams its text as it is produced; several print each completion in
 input order; `--json` prints one JSON object per request and a final `{"summary": ...}` line. The
 summary goes to stderr otherwise. `jpaged serve`: the OpenAI API over HTTP (`server.py`).
+`jpaged serve` first compiles every step shape its limits allow (the warm-up, with progress on
+stderr and its time printed; `--no-warm-up` skips it), so that no request waits for a compilation.
 `jpaged convert`: a model as a jpaged checkpoint. `jpaged generate --coordinator-address HOST:PORT
 --num-processes N --process-id I`: one of N processes of one engine (`jpaged.device.distributed`);
 process 0 reads the prompts and prints, the others print nothing; each says on stderr that it waits
@@ -10,6 +12,13 @@ for the others, and ends with one line past `--join-timeout`. `--seed S` gives p
 S + i*n (`--same-seed`: S for all). Bad input (a malformed option too, without the usage): a
 one-line `error: ...` on stderr and exit status 2, before anything loads; a request that failed in
 a step: its error on stderr and exit status 1.
+
+Compilation cache: `generate` and `serve` turn on JAX's persistent compilation cache in
+`default_compile_cache_dir()` (`$XDG_CACHE_HOME/jpaged/xla`, else `~/.cache/jpaged/xla`), so a second
+start loads its executables instead of compiling them; `--compile-cache DIR` puts it elsewhere,
+`--compile-cache none` turns it off. A cache directory JAX was already given (`JAX_COMPILATION_CACHE_DIR`)
+is kept unless `--compile-cache` names one. The Python API (`LLM`) leaves JAX's configuration alone:
+call `enable_compile_cache()` for the same cache there.
 """
 
 from __future__ import annotations
@@ -21,6 +30,41 @@ import logging
 import os
 import sys
 import time
+from typing import Optional
+
+
+def default_compile_cache_dir() -> str:
+    """Where jpaged keeps JAX's persistent compilation cache by default: `$XDG_CACHE_HOME/jpaged/xla`,
+    else `~/.cache/jpaged/xla`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jpaged", "xla")
+
+
+def enable_compile_cache(path: Optional[str] = None, *, min_compile_seconds: float = 0.5) -> Optional[str]:
+    """Turns on JAX's persistent compilation cache in `path` (default: `default_compile_cache_dir()`)
+    for executables that took at least `min_compile_seconds` to compile (every step does; a rerun then
+    loads them instead of compiling); `path="none"` turns it off. A global JAX setting: call it before
+    anything compiles. Returns the directory, or None when off."""
+    import jax
+
+    if path == "none":
+        jax.config.update("jax_compilation_cache_dir", None)
+        return None
+    path = path or default_compile_cache_dir()
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def use_compile_cache(args) -> Optional[str]:
+    """`--compile-cache` applied: DIR or 'none' as given; when not given, the default directory unless JAX
+    was given a cache directory already. Returns the directory in use (None: no cache)."""
+    import jax
+
+    if args.compile_cache is None and jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    return enable_compile_cache(args.compile_cache)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (413 above)")
     v.add_argument("--grace-period", type=float, default=30.0, help="seconds running requests get to finish "
                    "after SIGTERM")
+    v.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="start serving at once, without compiling every step shape first (requests then wait for "
+                   "the compilations of the shapes they meet)")
     add_engine_arguments(v)
     c = sub.add_parser("convert", help="save a model as a jpaged (orbax) checkpoint that loads in seconds")
     c.add_argument("--model", help="a .gguf file or a HF Llama directory (default: embedded SmolLM2-135M-Instruct)")
@@ -111,6 +158,10 @@ def add_engine_arguments(parser) -> None:
                         "with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="devices to split the KV pool over by blocks, each running the requests placed on it")
+    parser.add_argument("--compile-cache", default=None, metavar="DIR|none",
+                        help="JAX's persistent compilation cache, where a second start finds its executables "
+                        f"(default: {default_compile_cache_dir()}, unless JAX_COMPILATION_CACHE_DIR is set; "
+                        "'none': off)")
 
 
 def check_swap_space(args) -> None:
@@ -155,11 +206,40 @@ def serve(args) -> int:
         except OSError as e:
             raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}): pass another --port "
                              "or --host") from None
+    use_compile_cache(args)
     status = _Status(sys.stderr.isatty())
     status.say(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
     logging.getLogger("jpaged.server").setLevel(logging.INFO)  # its start and stop: INFO lines, not warnings
-    server.serve(LLMEngine(config), server_config, host=args.host, port=args.port)
+    engine = LLMEngine(config)
+    if args.warm_up:
+        warm_up(engine, sys.stderr.isatty())
+    server.serve(engine, server_config, host=args.host, port=args.port)
     return 0
+
+
+def warm_up(engine, at_terminal: bool) -> None:
+    """`engine.warm_up()` with its progress on stderr (a counter at a terminal, a line per tenth
+    otherwise) and its time printed."""
+    if engine.shapes is None:
+        print("[jpaged] no warm-up with data parallel: each new step shape compiles when first met", file=sys.stderr)
+        return
+    shown = [0]
+
+    def progress(done: int, total: int) -> None:
+        if at_terminal:
+            print(f"\r[jpaged] warming up: compiled {done}/{total}", end="", file=sys.stderr, flush=True)
+        elif done * 10 // total > shown[0] or done == total:
+            shown[0] = done * 10 // total
+            print(f"[jpaged] warming up: compiled {done}/{total}", file=sys.stderr, flush=True)
+
+    print("[jpaged] warming up: compiling every step shape the limits allow (--no-warm-up skips it) ...",
+          file=sys.stderr, flush=True)
+    summary = engine.warm_up(progress)
+    if at_terminal and summary.built:
+        print(file=sys.stderr)
+    cached = f", {summary.cache_hits} from the compilation cache" if summary.cache_hits else ""
+    print(f"[jpaged] warmed up in {summary.seconds:.1f} s: {summary.num_executables} executables "
+          f"({summary.built} built{cached})", file=sys.stderr, flush=True)
 
 
 def convert(args) -> int:
@@ -251,6 +331,7 @@ def generate(args) -> int:
                                initialization_timeout=args.join_timeout)
         texts = distributed.broadcast(texts)  # process 0's: every process checks them alike below
     config = engine_config(args)
+    use_compile_cache(args)
     status = _Status(first and sys.stderr.isatty())
     status.say(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
     t0 = time.perf_counter()

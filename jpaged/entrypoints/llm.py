@@ -26,6 +26,10 @@ class LLM:
 
     `num_blocks` counts every block of the pool, the null block included; with `num_blocks=None`
     the pool is sized from `kv_cache_memory`. Other keyword arguments are `EngineConfig` fields.
+
+    Compilation: each new step shape compiles when first met; `llm.engine.warm_up()` compiles them
+    all ahead. `LLM` leaves JAX's global configuration alone: JAX's persistent compilation cache (on
+    by default in the CLI) is yours to turn on, e.g. `jpaged.entrypoints.cli.enable_compile_cache()`.
     """
 
     def __init__(self, model: Optional[str] = None, block_size: int = 16, num_blocks: Optional[int] = None,

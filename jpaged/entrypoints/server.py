@@ -10,7 +10,9 @@ from every client share the engine's continuous batching. Endpoints:
   GET  /metrics                                     Prometheus text: queues, KV blocks, prefix-cache hit
                                                     rate, preemptions, tokens, time to first token and
                                                     inter-token latency histograms, decode batch sizes,
-                                                    executables compiled
+                                                    executables compiled while serving (0 after a warm-up
+                                                    that covered every shape), the start-up warm-up's
+                                                    executables and time
 
 Who may come in: the server binds 127.0.0.1 unless told otherwise; with an API key (`--api-key`
 or `JPAGED_API_KEY`) every endpoint but /health needs `Authorization: Bearer KEY` (401 otherwise).
@@ -88,8 +90,12 @@ class Metrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.itl = Histogram("jpaged_inter_token_latency_seconds", "Time between a request's tokens", registry=r,
                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
-        self.compiles = Counter("jpaged_compiles", "Step executables built (JAX compiles one per new batch shape)",
+        self.compiles = Counter("jpaged_compiles", "Executables built while serving, after the start-up warm-up "
+                                "(JAX compiles one per new batch shape; 0 when the warm-up covered every shape)",
                                 registry=r)
+        self.warm_up_executables = Gauge("jpaged_warm_up_executables", "Executables the start-up warm-up compiled "
+                                         "or loaded from the compilation cache (0: no warm-up)", registry=r)
+        self.warm_up_seconds = Gauge("jpaged_warm_up_seconds", "Time the start-up warm-up took", registry=r)
         self.compile_seconds = Counter("jpaged_compile_seconds", "Time steps spent building executables",
                                        registry=r)
         self.batch = Histogram("jpaged_decode_batch_size", "Sequences in a decode step", registry=r,
@@ -204,6 +210,9 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
     from starlette.routing import Route
 
     metrics = Metrics()
+    if engine.warm_up_summary is not None:
+        metrics.warm_up_executables.set(engine.warm_up_summary.num_executables)
+        metrics.warm_up_seconds.set(engine.warm_up_summary.seconds)
     loop = EngineLoop(engine, metrics)
     state = {"admitting": True, "aborted": 0}  # aborted: requests cut at shutdown
     tokenizer = engine.tokenizer
