@@ -20,14 +20,11 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def enable_compilation_cache() -> None:
-    import jax
+    from jpaged.entrypoints.cli import enable_compile_cache
 
     setting = os.environ.get("JPAGED_JAX_CACHE", "")
-    if setting == "0":
-        return
-    jax.config.update("jax_compilation_cache_dir", setting or str(REPO_ROOT / ".jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if setting != "0":
+        enable_compile_cache(setting or str(REPO_ROOT / ".jax_cache"))
 
 
 def worker_env(num_devices: int) -> dict:

@@ -46,9 +46,11 @@ import jax
 import numpy as np
 
 
-def check_address(coordinator_address: str, num_processes: int, process_id: int) -> None:
+def check_address(coordinator_address: str, num_processes: int, process_id: int, *,
+                  initialization_timeout: float = 300) -> None:
     """Raises ValueError (one line) unless these name a coordinator HOST:PORT, a number of processes
-    >= 1 and this process's id among them. Touches nothing: call it before anything loads."""
+    >= 1, this process's id among them and a join timeout of seconds > 0. Touches nothing: call it
+    before anything loads."""
     if not (isinstance(num_processes, int) and not isinstance(num_processes, bool) and num_processes >= 1):
         raise ValueError(f"the number of processes (--num-processes) must be an integer >= 1, got {num_processes!r}")
     if not (isinstance(process_id, int) and not isinstance(process_id, bool) and 0 <= process_id < num_processes):
@@ -58,6 +60,10 @@ def check_address(coordinator_address: str, num_processes: int, process_id: int)
     if coordinator_address is None or not match or not 0 < int(match[2]) < 65536:
         raise ValueError("the coordinator address (--coordinator-address) must be HOST:PORT, process 0's "
                          f"(e.g. 10.0.0.1:1234), got {coordinator_address!r}")
+    if not (isinstance(initialization_timeout, (int, float)) and not isinstance(initialization_timeout, bool)
+            and 0 < initialization_timeout < float("inf")):
+        raise ValueError(f"--join-timeout must be a number of seconds > 0 (how long to wait for the others to "
+                         f"join), got {initialization_timeout!r}")
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
@@ -72,11 +78,7 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
     many of the processes have joined and for how long, and again as they join. When they have not
     all joined within `initialization_timeout` seconds, raises ValueError (one line: who is missing,
     and what to change) instead of waiting on: JAX's own timeout ends the process with a C++ abort."""
-    check_address(coordinator_address, num_processes, process_id)
-    if not (isinstance(initialization_timeout, (int, float)) and not isinstance(initialization_timeout, bool)
-            and 0 < initialization_timeout < float("inf")):
-        raise ValueError(f"the join timeout (--join-timeout) must be a number of seconds > 0, "
-                         f"got {initialization_timeout!r}")
+    check_address(coordinator_address, num_processes, process_id, initialization_timeout=initialization_timeout)
     if jax.distributed.is_initialized():
         if (jax.process_count(), jax.process_index()) != (num_processes, process_id):
             raise ValueError(f"this process already runs as process {jax.process_index()} of {jax.process_count()}, "

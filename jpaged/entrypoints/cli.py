@@ -314,9 +314,8 @@ def generate(args) -> int:
 
     several = args.coordinator_address is not None or args.num_processes != 1
     if several:
-        distributed.check_address(args.coordinator_address, args.num_processes, args.process_id)
-        if not 0 < args.join_timeout < float("inf"):
-            raise ValueError(f"--join-timeout must be a number of seconds > 0, got {args.join_timeout:g}")
+        distributed.check_address(args.coordinator_address, args.num_processes, args.process_id,
+                                  initialization_timeout=args.join_timeout)
     elif args.process_id != 0:
         raise ValueError("--process-id needs --coordinator-address and --num-processes (several processes)")
     first = args.process_id == 0  # several processes: process 0 reads the prompts, the others run them

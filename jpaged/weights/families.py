@@ -238,7 +238,6 @@ GGUF_LAYER_NAMES = {
     "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
     "post_attn_norm": "post_attention_norm", "post_mlp_norm": "post_ffw_norm",
 }
-GGUF_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm", "final_norm")
 
 
 @dataclasses.dataclass(frozen=True)

