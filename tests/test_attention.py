@@ -1,7 +1,8 @@
 """The XLA attention path (`xla_attend` over `pack_rows`' attention plan) against two references:
 the padded block-table gather (`gather_attend`) and plain numpy softmax attention over each row's
-logical K/V. Rows mix decode tokens, fresh prompts and prompts on top of cached context, with
-scattered blocks, at several tile sizes (a tile smaller than, equal to and larger than a row)."""
+logical K/V. Rows mix decode tokens, fresh prompts and prompts on top of cached context (the ragged
+step's batch), with scattered blocks, at several tile sizes (a tile smaller than, equal to and larger
+than a row)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ SPECS = {
     "decode": [(0, 1), (12, 1), (40, 1), (3, 1), (77, 1)],
     "prefill": [(0, 13), (0, 1), (0, 40), (0, 5)],
     "cached_prefix": [(16, 9), (32, 1), (5, 30), (0, 7)],
+    # the ragged step: decode rows first, then prompt chunks over cached context and whole prompts
+    "ragged": [(12, 1), (40, 1), (3, 1), (24, 17), (0, 9), (33, 1), (47, 2)],
 }
 
 
@@ -58,7 +61,7 @@ DECODE_TILES = [(4, 1, 4), (4, 1, 12), (8, 1, 128)]  # decode steps use one-toke
 
 @pytest.mark.parametrize("kind,block_size,q_tile,k_tile",
                          [("decode", *t) for t in DECODE_TILES]
-                         + [(kind, *t) for kind in ("prefill", "cached_prefix") for t in PREFILL_TILES])
+                         + [(kind, *t) for kind in ("prefill", "cached_prefix", "ragged") for t in PREFILL_TILES])
 def test_tiled_attention_matches_references(kind, block_size, q_tile, k_tile):
     specs = SPECS[kind]
     rng = np.random.default_rng(block_size * 100 + q_tile)

@@ -1,4 +1,4 @@
-"""The scheduler alone, without the model: a fake step stands in for the engine (every scheduled
+"""The scheduler alone under the paper's prefill-first policy, without the model: a fake step stands in for the engine (every scheduled
 sequence gets token 7; a sequence stops at its max_tokens), and the KV cache manager's invariants
 are checked after every step. Pinned: preemption order (the latest arrival first, whole groups),
 the watermark, swapped groups resuming before new admissions, the token and sequence budgets, and
@@ -22,15 +22,20 @@ TOKEN = 7
 class Harness:
     """A scheduler over a small paged pool, fed groups, stepped by `step()` as the engine would."""
 
-    def __init__(self, num_blocks: int, block_size: int = 4, mode: str = "recompute", **config):
+    def __init__(self, num_blocks: int, block_size: int = 4, mode: str = "recompute", prefix_caching: bool = False,
+                 **config):
         config.setdefault("watermark", 0.0)
-        bm = BlockManager.create(num_blocks, block_size, num_cpu_blocks=num_blocks if mode == "swap" else 0)
+        config.setdefault("enable_chunked_prefill", False)  # these pins are the paper's policy's (ragged: test_chunked_prefill.py)
+        bm = BlockManager.create(num_blocks, block_size, num_cpu_blocks=num_blocks if mode == "swap" else 0,
+                                 enable_prefix_caching=prefix_caching)
         self.scheduler = Scheduler(bm, SchedulerConfig(preemption_mode=mode, **config))
         self.seq_ids = itertools.count()
 
-    def add(self, name: str, prompt_len: int, max_tokens: int = 100, n: int = 1, arrival: float = 0.0,
+    def add(self, name: str, prompt_len, max_tokens: int = 100, n: int = 1, arrival: float = 0.0,
             first_token: int = 1):
-        prompt = tuple(range(first_token, first_token + prompt_len))
+        """`prompt_len`: a length (the prompt first_token, first_token + 1, ...) or the prompt's token ids."""
+        prompt = (tuple(range(first_token, first_token + prompt_len)) if isinstance(prompt_len, int)
+                  else tuple(prompt_len))
         seqs = [Sequence(next(self.seq_ids), i, prompt) for i in range(n)]
         group = SequenceGroup(name, None, prompt, SamplingParams(n=n, max_tokens=max_tokens), 0, seqs,
                               arrival_time=arrival)

@@ -177,8 +177,10 @@ class OrcaKVCacheManager:
         return 0
 
     # ---- operations ----------------------------------------------------------------------------
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> tuple[OrcaKVCacheManager, int]:
-        """Admit a sequence holding `token_ids`: reserve its run. Returns (snapshot, 0 cached tokens)."""
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], *,
+                 num_computed: int | None = None) -> tuple[OrcaKVCacheManager, int]:
+        """Admit a sequence holding `token_ids`: reserve its run. Returns (snapshot, 0 cached tokens).
+        `num_computed` changes nothing (no block is shared)."""
         if seq_id in self._seqs:
             raise ValueError(f"cannot allocate sequence {seq_id!r}: it already exists")
         n = len(token_ids)

@@ -21,6 +21,10 @@ Invariants (`check_invariants` asserts them all):
   same logical index, with the same number of filled slots, in every table that names it (so slots
   shared by two sequences hold the same token prefix).
 - Prefix cache: block hash <-> block id is one-to-one, and only full blocks are cached.
+- Uncomputed blocks (a prompt prefilled in chunks: `allocate(num_computed=...)`, `cache_computed`):
+  a sequence's last full blocks whose K/V no step scheduled so far writes are not in the prefix
+  cache yet (their hashes wait in the sequence); such a sequence is running, and is not forked,
+  swapped out or appended to before they are computed.
 
 Sliding window (`sliding_window=W`, for models whose every layer attends only to its W most recent
 positions, its own included: the query at position p sees keys k with p - W < k <= p). When a
@@ -87,6 +91,7 @@ class _Seq(NamedTuple):
     parent_hash: int | None = None  # prefix caching: hash() of the last full block's BlockHash
     partial_token_ids: tuple[int, ...] = ()  # prefix caching: the partly filled last block's tokens
     num_null: int = 0  # sliding window: leading entries released (NULL_BLOCK_ID, naming no block)
+    uncomputed: tuple[BlockHash, ...] = ()  # prefix caching: hashes of the last full blocks, not yet computed
 
     @property
     def live(self) -> tuple[int, ...]:
@@ -298,14 +303,20 @@ class BlockManager:
         return taken, k * bs
 
     # ---- operations ----------------------------------------------------------------------------
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> tuple[BlockManager, int]:
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], *,
+                 num_computed: int | None = None) -> tuple[BlockManager, int]:
         """A new running sequence holding `token_ids`. Returns (snapshot, num_cached_tokens): with
         prefix caching, its longest prefix of full blocks found in the cache, at most
         (len - 1) // block_size blocks (the last token is always computed), is mapped onto the
-        cached blocks, and its other full blocks enter the cache. Their K/V is not yet written:
-        the engine writes a step's K/V before any attention reads it. With a sliding window, the
-        blocks of the hit that no query of the step reads (num_dead_blocks(num_cached_tokens)) are
-        null entries, not taken (see the module docstring)."""
+        cached blocks, and its other full blocks enter the cache once their K/V is being computed:
+        `num_computed` says how many of its first tokens the step being scheduled writes (default:
+        all of them; the engine writes a step's K/V before any attention reads it, so a block
+        cached now may be shared by a row of the same step). The full blocks past it are kept
+        uncomputed, and enter the cache when `cache_computed` says their step is scheduled (a
+        prompt prefilled in chunks over several steps: a block must not be found by another
+        request before its K/V is written). With a sliding window, the blocks of the hit that no
+        query of the step reads (num_dead_blocks(num_cached_tokens)) are null entries, not taken
+        (see the module docstring)."""
         if self.has(seq_id):
             raise ValueError(f"cannot allocate sequence {seq_id!r}: it already exists")
         n, bs = len(token_ids), self.block_size
@@ -322,13 +333,30 @@ class BlockManager:
         for block_id in hits:
             edit.acquire(block_id)
         block_ids = [NULL_BLOCK_ID] * num_null + hits
+        computed = len(hashes) if num_computed is None else max(k, min(num_computed // bs, len(hashes)))
         for i in range(k, blocks_for(n, bs)):
             block_ids.append(edit.allocate_block())
-            if i < len(hashes):
+            if i < computed:
                 edit.cache(hashes[i], block_ids[-1])
         partial = tuple(token_ids[len(hashes) * bs:]) if self.enable_prefix_caching else ()
-        edit.seqs[seq_id] = _Seq(tuple(block_ids), n, False, parent, partial, num_null)
+        edit.seqs[seq_id] = _Seq(tuple(block_ids), n, False, parent, partial, num_null, tuple(hashes[computed:]))
         return edit.snapshot(), k * bs
+
+    def cache_computed(self, seq_id: SeqId, num_computed: int) -> BlockManager:
+        """The step being scheduled writes the K/V of the first `num_computed` tokens of a sequence
+        allocated with fewer computed (`allocate(num_computed=...)`): its full blocks among them
+        enter the prefix cache (unless an identical block is there already). Without prefix
+        caching, or with nothing left uncomputed below `num_computed`, returns this snapshot."""
+        seq = self._seq(seq_id, swapped=False)
+        first = seq.num_tokens // self.block_size - len(seq.uncomputed)  # the first uncomputed block
+        ready = max(0, min(num_computed // self.block_size - first, len(seq.uncomputed)))
+        if not ready:
+            return self
+        edit = _Edit(self)
+        for i, block_hash in enumerate(seq.uncomputed[:ready]):
+            edit.cache(block_hash, seq.block_ids[first + i])
+        edit.seqs[seq_id] = seq._replace(uncomputed=seq.uncomputed[ready:])
+        return edit.snapshot()
 
     def append(self, appends: Sequence[tuple[SeqId, int]]) -> tuple[BlockManager, DeviceOps]:
         """One more token slot for each running sequence (for the token whose K/V is written
@@ -349,6 +377,9 @@ class BlockManager:
                         block_ids=(NULL_BLOCK_ID,) * num_null + seq.block_ids[num_null:], num_null=num_null)
         for seq_id, token_id in appends:
             seq = _checked(edit.seqs.get(seq_id), seq_id, swapped=False)
+            if seq.uncomputed:
+                raise ValueError(f"cannot append to sequence {seq_id!r}: {len(seq.uncomputed)} of its full "
+                                 "blocks are not computed yet (cache_computed)")
             block_ids, parent, partial = seq.block_ids, seq.parent_hash, seq.partial_token_ids
             if seq.num_tokens % bs == 0:
                 block_ids += (edit.allocate_block(),)
@@ -360,7 +391,8 @@ class BlockManager:
                 partial += (token_id,)
                 if len(partial) == bs:
                     parent, partial = edit.cache((parent, partial), block_ids[-1]), ()
-            edit.seqs[seq_id] = _Seq(block_ids, seq.num_tokens + 1, False, parent, partial, seq.num_null)
+            edit.seqs[seq_id] = seq._replace(block_ids=block_ids, num_tokens=seq.num_tokens + 1,
+                                             parent_hash=parent, partial_token_ids=partial)
         return edit.snapshot(), DeviceOps(copy_pairs=tuple(copy_pairs))
 
     def fork(self, parent_seq_id: SeqId, child_seq_id: SeqId) -> BlockManager:
@@ -370,6 +402,9 @@ class BlockManager:
             raise ValueError(f"cannot fork {parent_seq_id!r} into {child_seq_id!r}: "
                              f"{child_seq_id!r} already exists")
         seq = self._seq(parent_seq_id)
+        if seq.uncomputed:
+            raise ValueError(f"cannot fork {parent_seq_id!r}: {len(seq.uncomputed)} of its full blocks are "
+                             "not computed yet (cache_computed)")
         edit = _Edit(self)
         refcounts = edit.cpu_refcounts if seq.swapped else edit.refcounts
         for block_id in seq.live:
@@ -413,6 +448,9 @@ class BlockManager:
         edit, moved = _Edit(self), {}  # source block id -> destination block id
         for seq_id in seq_ids:
             seq = _checked(edit.seqs.get(seq_id), seq_id, swapped=not to_cpu)
+            if seq.uncomputed:
+                raise ValueError(f"cannot swap out sequence {seq_id!r}: {len(seq.uncomputed)} of its full "
+                                 "blocks are not computed yet (cache_computed)")
             for block_id in seq.live:
                 if block_id in moved:
                     edit.acquire(moved[block_id], cpu=to_cpu)
@@ -444,6 +482,13 @@ class BlockManager:
                 assert len(seq.live) <= self.max_window_blocks, (
                     f"sequence {seq_id!r} holds {len(seq.live)} blocks, more than the window's "
                     f"{self.max_window_blocks}")
+            assert len(seq.uncomputed) <= seq.num_tokens // bs and not (seq.uncomputed and seq.swapped), (
+                f"sequence {seq_id!r}: {len(seq.uncomputed)} uncomputed blocks of {seq.num_tokens // bs} full "
+                f"ones{' (swapped out)' if seq.swapped else ''}")
+            for i, block_hash in enumerate(seq.uncomputed):
+                block_id = seq.block_ids[seq.num_tokens // bs - len(seq.uncomputed) + i]
+                assert self._block_hashes.get(block_id) is None, (
+                    f"sequence {seq_id!r}: block {block_id} is cached but not computed")
             if self.enable_prefix_caching:
                 assert len(seq.partial_token_ids) == seq.num_tokens % bs, (
                     f"sequence {seq_id!r}: {len(seq.partial_token_ids)} tokens kept for hashing "

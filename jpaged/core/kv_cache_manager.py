@@ -123,6 +123,15 @@ def kv_utilization(manager: KVCacheManager) -> Optional[float]:
     return sum(filled_slots(manager).values()) / (used * manager.block_size)
 
 
+def cache_computed(manager: KVCacheManager, seq_id: SeqId, num_computed: int) -> KVCacheManager:
+    """The manager once the step being scheduled writes the K/V of the first `num_computed` tokens
+    of a sequence allocated with fewer computed (a prompt prefilled in chunks): a manager with a
+    prefix cache may now share its full blocks among them. Managers without `cache_computed`
+    share nothing of the kind: returned as they are."""
+    method = getattr(manager, "cache_computed", None)
+    return manager if method is None else method(seq_id, num_computed)
+
+
 @runtime_checkable
 class KVCacheManager(Protocol):
     """An immutable snapshot of which blocks hold which sequences' tokens (see the module docstring).
@@ -166,9 +175,13 @@ class KVCacheManager(Protocol):
         """Whether new sequences holding these tokens (one list per sequence) can be allocated
         with `reserve` device blocks still free after them. May be conservative, never optimistic."""
 
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> tuple[KVCacheManager, int]:
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], *,
+                 num_computed: Optional[int] = None) -> tuple[KVCacheManager, int]:
         """A new running sequence holding `token_ids`: (snapshot, how many of its first tokens
-        already have their K/V in the pool, e.g. from a prefix cache). Raises OutOfBlocksError."""
+        already have their K/V in the pool, e.g. from a prefix cache). `num_computed`: how many of
+        its first tokens the step being scheduled writes (None: all); a manager that shares
+        computed blocks between sequences (a prefix cache) shares no block past them before
+        `cache_computed` (the module's function) says they are scheduled. Raises OutOfBlocksError."""
 
     def num_blocks_to_append(self, seq_ids: Sequence[SeqId]) -> int:
         """Free device blocks that `append` of one token to each of these sequences takes (a

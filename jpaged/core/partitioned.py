@@ -149,9 +149,13 @@ class PartitionedBlockManager:
         that rank's prefix cache): what the scheduler's placement compares across ranks."""
         return self.partitions[rank].allocation_cost(token_ids)
 
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], *, rank: int = 0):
-        part, num_cached = self.partitions[rank].allocate(seq_id, token_ids)
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], *, rank: int = 0, num_computed: int | None = None):
+        part, num_cached = self.partitions[rank].allocate(seq_id, token_ids, num_computed=num_computed)
         return self._with({rank: part}, {**self._rank_map, seq_id: rank}), num_cached
+
+    def cache_computed(self, seq_id: SeqId, num_computed: int) -> PartitionedBlockManager:
+        rank, part = self._part(seq_id)
+        return self._with({rank: part.cache_computed(seq_id, num_computed)})
 
     def num_blocks_to_append(self, seq_ids: Sequence[SeqId]) -> int:
         return sum(self.partitions[r].num_blocks_to_append(ids) for r, ids in self._by_rank(seq_ids).items())

@@ -1,22 +1,46 @@
-"""The scheduler: FCFS, iteration-level batching, preemption by recompute or swap (no JAX).
+"""The scheduler: FCFS, iteration-level batching, chunked prefill, preemption by recompute or swap
+(no JAX).
 
-Every step is either a *prefill* step (newly admitted or resumed-by-recompute groups: all their
-uncached tokens) or a *decode* step (one token for every live sequence of every running group).
-As in vLLM, prefill goes first whenever a waiting group can be admitted and nothing is swapped out.
+Two policies (`SchedulerConfig.enable_chunked_prefill`):
+- *Ragged* (the default, as in vLLM v1, SGLang and tpu-inference): every step is one batch under a
+  token budget (`max_num_batched_tokens`). First a decode token for every live sequence of every
+  running group whose prompt is in the cache, then chunks of the prompts being prefilled (running
+  groups first, in arrival order, then newly admitted ones): a prompt longer than what the budget
+  leaves is computed over several steps, `long_prefill_token_threshold` capping one prompt's share of
+  a step. A group samples only once its whole prompt (prompt + generated tokens, after a recompute)
+  is in the cache: the step that computes the last token of each of its prefilling sequences (all of
+  them in one step, so that n samples and beams stay in step) samples from those rows. A long
+  prompt admitted while others decode thus delays each of their tokens by one chunk, not by the
+  whole prompt.
+- *Prefill first* (the paper's, `enable_chunked_prefill=False`): every step is either a *prefill*
+  step (newly admitted or resumed-by-recompute groups: all their uncached tokens; the first group
+  of a step always admitted, whatever the budget) or a *decode* step (one token for every live
+  sequence of every running group). As in vLLM v0, prefill goes first whenever a waiting group can
+  be admitted and nothing is swapped out.
+
+Blocks. A group is admitted when its whole prompt's blocks fit (less the prefix-cache hit), with
+the watermark, and holds them from then on; a chunk only decides which of them the step writes.
+With prefix caching a block enters the cache when the chunk that writes it is scheduled
+(`allocate(num_computed=...)`, `cache_computed`): no request may map a block whose K/V is not
+written, and a chunk boundary never splits the hash chain (hashes are over token ids, computed at
+admission).
 
 When the KV blocks run out during decode, the latest-arrived running group is preempted, whole:
 by recompute (its blocks are freed; it goes back to the front of the waiting queue and
 re-prefills prompt + generated tokens) or by swap (its blocks move to the CPU pool; it comes back
-before any new admission). Liveness: a group that cannot grow even when running alone, or that can
-no longer be re-admitted or swapped in even into an empty pool, is finished with
-`finish_reason="length"` (keeping what it generated) rather than waiting forever; a request too
-large ever to start is refused at admission by the engine.
+before any new admission). A group preempted while its prompt is being prefilled is always
+recomputed (it has nothing worth swapping; its computed full blocks stay in the prefix cache).
+Liveness: a group that cannot grow even when running alone, or that can no longer be re-admitted
+or swapped in even into an empty pool, is finished with `finish_reason="length"` (keeping what it
+generated) rather than waiting forever; a request too large ever to start is refused at admission
+by the engine.
 
 The scheduler owns the KV cache manager snapshot (`jpaged.core.kv_cache_manager`: replaced, never
-mutated), the queues, and the lifecycle of every group it holds: status, timestamps, which
-sequences a group holds (`fork_seq`, `set_beams`) and each sequence's `finish_reason` (`finish_seq`,
-`abort`, `fail`, and "length" for a group that cannot grow alone). It hands the device side `Row`s
-(numpy-friendly lists) and the `DeviceOps` a step implies.
+mutated), the queues, and the lifecycle of every group it holds: status, timestamps, prefill
+progress (`SequenceGroup.num_computed_tokens`), which sequences a group holds (`fork_seq`,
+`set_beams`) and each sequence's `finish_reason` (`finish_seq`, `abort`, `fail`, and "length" for a
+group that cannot grow alone). It hands the device side `Row`s (numpy-friendly lists) and the
+`DeviceOps` a step implies.
 
 Data parallel (a manager with `num_partitions` > 1, `jpaged.core.partitioned`): each new group is
 placed on the partition (data rank) left with the most free blocks once it is allocated there (a
@@ -34,7 +58,7 @@ import math
 import time
 from typing import Optional, Sequence as Seq
 
-from jpaged.core.kv_cache_manager import DeviceOps, KVCacheManager, SwappingKVCacheManager
+from jpaged.core.kv_cache_manager import DeviceOps, KVCacheManager, SwappingKVCacheManager, cache_computed
 from jpaged.core.sequence import GroupStatus, Sequence, SequenceGroup
 
 logger = logging.getLogger("jpaged")
@@ -42,14 +66,25 @@ logger = logging.getLogger("jpaged")
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """A step's budgets (sequences running at once; tokens a prefill step computes, the first group
-    of a step always admitted), how to preempt, and the fraction of the pool an admission leaves
-    free while other groups run."""
+    """A step's budgets, the policy, how to preempt, and the fraction of the pool an admission leaves
+    free while other groups run (the module docstring).
+
+    max_num_seqs: sequences running at once. max_num_batched_tokens: tokens a step computes. Ragged
+      policy: decode tokens first (they always run), then prompt chunks in what is left; the first
+      prefilling group of a step makes progress even when nothing is left (at least one token, or
+      its sequences' last tokens), so a step computes at most max_num_batched_tokens + max_num_seqs.
+      Prefill first: the prompt tokens of a prefill step, the first group always admitted whole.
+    enable_chunked_prefill: the ragged policy (True) or the paper's prefill-first one (False).
+    long_prefill_token_threshold: the most tokens of one prompt a ragged step computes (0: no cap
+      but the budget), so that several long prompts progress together.
+    """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     preemption_mode: str = "recompute"  # or "swap"
     watermark: float = 0.01  # fraction of blocks kept free at admission, against immediate preemption
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self):
         if not (isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1):
@@ -60,6 +95,9 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
         if not (isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1):
             raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
+        if not (isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0):
+            raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0: no cap), got "
+                             f"{self.long_prefill_token_threshold!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +113,8 @@ class Row:
 @dataclasses.dataclass
 class SchedulerOutput:
     """What one step runs. `row_seqs[i]` are the sequences whose next token is drawn from row i's logits
-    (several for a fresh group of n samples, which shares one prompt prefill)."""
+    (several for a fresh group of n samples, which shares one prompt prefill; none for a chunk that
+    ends before its prompt does). `is_decode`: every row computes one token (the decode step kind)."""
 
     is_decode: bool
     rows: list[Row]
@@ -191,11 +230,12 @@ class Scheduler:
     # ---- the step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        if not self.swapped:
-            output = self._schedule_prefill()
-            if output.rows:
-                return output
-        output = self._schedule_decode()
+        if self.config.enable_chunked_prefill:
+            output = self._schedule_ragged()
+        else:
+            output = self._schedule_prefill() if not self.swapped else None
+            if output is None or not output.rows:
+                output = self._schedule_decode()
         if not (output.rows or output.finished or self.running) and (self.waiting or self.swapped):
             # nothing runs and the pool is as free as it gets: the group at the head can never run again
             # (a recomputed group of n samples re-prefills them unshared; a swapped one may need one more
@@ -249,46 +289,150 @@ class Scheduler:
     def _schedule_prefill(self) -> SchedulerOutput:
         rows, row_seqs, groups = [], [], []
         num_tokens, num_seqs = 0, self._num_live_running()
-        partition_blocks = self.block_manager.num_blocks // self.num_partitions
-        watermark = math.ceil(self.config.watermark * (partition_blocks - 1))
         while self.waiting:
             group = self.waiting[0]
-            seqs = group.live_seqs
-            fresh = all(not s.output_token_ids for s in seqs)  # fresh groups share one prompt prefill
-            to_prefill = seqs[:1] if fresh else seqs
+            seqs, to_prefill = group.live_seqs, self._to_prefill(group)
+            fresh = len(to_prefill) < len(seqs)
             if num_seqs + len(seqs) > self.config.max_num_seqs:
                 break
             # prefill rows are packed (no per-row padding): the budget counts the tokens computed
             if groups and num_tokens + sum(s.num_tokens for s in to_prefill) > self.config.max_num_batched_tokens:
                 break
-            rank = self._place(group)
-            idle = not any(self._rank(g) == rank for g in self.running + groups)
-            if not self.block_manager.can_allocate([s.token_ids for s in to_prefill],
-                                                   reserve=0 if idle else watermark, **self._on_rank(rank)):
+            rank = self._fitting_rank(group, to_prefill)
+            if rank is None:
                 break
             self.waiting.popleft()
-            cached = []
-            for seq in to_prefill:
-                self.block_manager, num_cached = self.block_manager.allocate(seq.seq_id, seq.token_ids,
-                                                                             **self._on_rank(rank))
-                cached.append(num_cached)
+            cached = self._admit(group, to_prefill, rank)
             if fresh:
-                for seq in seqs[1:]:
-                    self.block_manager = self.block_manager.fork(seqs[0].seq_id, seq.seq_id)
-            group.num_cached_tokens = cached[0]
-            self.num_prompt_tokens += sum(s.num_tokens for s in to_prefill)
-            self.num_cached_prompt_tokens += sum(cached)
+                self._fork_samples(group)
             for seq, num_cached in zip(to_prefill, cached):
                 rows.append((seq, num_cached))
                 row_seqs.append(seqs if fresh else [seq])
-            self._start(group)
             groups.append(group)
             num_tokens += sum(s.num_tokens - c for s, c in zip(to_prefill, cached))
             num_seqs += len(seqs)
         built = [self._row(seq, start, seq.num_tokens) for seq, start in rows]
         return SchedulerOutput(False, built, row_seqs, groups, DeviceOps(), [], [])
 
+    @staticmethod
+    def _to_prefill(group: SequenceGroup) -> list[Sequence]:
+        """The sequences whose tokens admitting a waiting group computes: a fresh group of n samples
+        shares one prompt prefill (its first sequence's), a recomputed group re-prefills every live one."""
+        seqs = group.live_seqs
+        return seqs[:1] if all(not s.output_token_ids for s in seqs) else seqs
+
+    def _fitting_rank(self, group: SequenceGroup, to_prefill: list[Sequence]) -> Optional[int]:
+        """The partition a waiting group is placed on, if the blocks of `to_prefill` fit there now with
+        the watermark kept free (unless nothing else runs on it); else None."""
+        rank = self._place(group)
+        idle = not any(self._rank(g) == rank for g in self.running)
+        partition_blocks = self.block_manager.num_blocks // self.num_partitions
+        watermark = 0 if idle else math.ceil(self.config.watermark * (partition_blocks - 1))
+        fits = self.block_manager.can_allocate([s.token_ids for s in to_prefill], reserve=watermark,
+                                               **self._on_rank(rank))
+        return rank if fits else None
+
+    def _admit(self, group: SequenceGroup, to_prefill: list[Sequence], rank: int, *,
+               chunked: bool = False) -> list[int]:
+        """Pops nothing: allocates the blocks of `to_prefill` (the group's sequences whose tokens are
+        computed) on `rank`, counts the prompt tokens and the prefix-cache hits, and starts the group.
+        `chunked`: the prompts are prefilled in chunks (none of their blocks past the hit enters the
+        prefix cache before its chunk is scheduled; progress in `group.num_computed_tokens`). Returns
+        each sequence's tokens found in the prefix cache."""
+        cached = []
+        for seq in to_prefill:
+            self.block_manager, num_cached = self.block_manager.allocate(
+                seq.seq_id, seq.token_ids, **self._on_rank(rank), **({"num_computed": 0} if chunked else {}))
+            cached.append(num_cached)
+        group.num_cached_tokens = cached[0]
+        if chunked:
+            group.num_computed_tokens = {seq.seq_id: c for seq, c in zip(to_prefill, cached)}
+        self.num_prompt_tokens += sum(s.num_tokens for s in to_prefill)
+        self.num_cached_prompt_tokens += sum(cached)
+        self._start(group)
+        return cached
+
+    def _fork_samples(self, group: SequenceGroup) -> None:
+        """A fresh group of n samples, its prompt computed (or being so this step) by its first
+        sequence: the others share its blocks from now on."""
+        seqs = group.live_seqs
+        for seq in seqs[1:]:
+            self.block_manager = self.block_manager.fork(seqs[0].seq_id, seq.seq_id)
+
+    # ---- the ragged step ----------------------------------------------------------------------
+
+    def _schedule_ragged(self) -> SchedulerOutput:
+        """One batch under the token budget: decode rows, then chunks of running prompts, then
+        newly admitted groups' chunks (the module docstring)."""
+        out = self._schedule_decode()
+        budget = self.config.max_num_batched_tokens - len(out.rows)
+        head = True  # the step's first prefilling group always progresses
+        for group in [g for g in out.groups if g.num_computed_tokens]:  # in arrival order
+            budget -= self._schedule_chunk(group, budget, head, out)
+            head = False
+        if out.preempted or self.swapped:
+            return out  # swapped groups come back before any admission; no admission right after preempting
+        num_seqs = self._num_live_running()
+        while self.waiting and (budget > 0 or head):
+            group = self.waiting[0]
+            seqs, to_prefill = group.live_seqs, self._to_prefill(group)
+            if num_seqs + len(seqs) > self.config.max_num_seqs:
+                break
+            rank = self._fitting_rank(group, to_prefill)
+            if rank is None:
+                break
+            self.waiting.popleft()
+            self._admit(group, to_prefill, rank, chunked=True)
+            out.groups.append(group)
+            budget -= self._schedule_chunk(group, budget, head, out)
+            head = False
+            num_seqs += len(seqs)
+        return out
+
+    def _schedule_chunk(self, group: SequenceGroup, budget: int, head: bool, out: SchedulerOutput) -> int:
+        """Adds to `out` the rows of a prefilling group's next chunk within `budget` tokens (and the
+        per-prompt cap) and returns the tokens they compute. When every prefilling sequence's rest
+        fits, all of them finish in this step and their rows sample; otherwise each computes at most
+        all its tokens but its last. `head`: the step's first prefilling group, which progresses even
+        on an empty budget (one token, or its sequences' last tokens)."""
+        progress = group.num_computed_tokens
+        seqs = [s for s in group.live_seqs if s.seq_id in progress]
+        fresh = len(seqs) < len(group.live_seqs)  # n samples of one prompt: the others fork at its end
+        limit = min(budget, self.config.long_prefill_token_threshold or budget)
+        limit = max(limit, 1) if head else limit
+        rest = sum(s.num_tokens - progress[s.seq_id] for s in seqs)
+        if rest > limit:
+            chunks = []
+            for seq in seqs:
+                chunks.append(max(0, min(seq.num_tokens - 1 - progress[seq.seq_id], limit - sum(chunks))))
+            if any(chunks) or not head:
+                for seq, take in zip(seqs, chunks):
+                    if take:
+                        start = progress[seq.seq_id]
+                        out.rows.append(self._row(seq, start, start + take))
+                        out.row_seqs.append([])
+                        progress[seq.seq_id] = start + take
+                        self.block_manager = cache_computed(self.block_manager, seq.seq_id, start + take)
+                        out.is_decode = out.is_decode and take == 1
+                return sum(chunks)
+        # the group's last chunk (or a head group's sequences' last tokens): its rows sample
+        for seq in seqs:
+            out.rows.append(self._row(seq, progress[seq.seq_id], seq.num_tokens))
+            out.row_seqs.append(group.live_seqs if fresh else [seq])
+            self.block_manager = cache_computed(self.block_manager, seq.seq_id, seq.num_tokens)
+        group.num_computed_tokens = {}
+        if fresh:
+            self._fork_samples(group)
+        out.is_decode = out.is_decode and rest == len(seqs)
+        return rest
+
+    # ---- decode ------------------------------------------------------------------------------
+
     def _schedule_decode(self) -> SchedulerOutput:
+        """Every running group grows by one token per live sequence (preempting the latest arrivals
+        when blocks run short), swapped groups come back if none was preempted; the rows are the
+        decoding groups' (a group whose prompt is being prefilled is scheduled, with no row: the
+        ragged step adds its chunk)."""
         ops, preempted, finished = DeviceOps(), [], []
         running = sorted(self.running, key=lambda g: g.arrival_time)
         scheduled: list[SequenceGroup] = []
@@ -322,12 +466,13 @@ class Scheduler:
             resumed, swap_ops = self._swap_in(free)
             scheduled += resumed
             ops += swap_ops
-        appends = [(s.seq_id, s.last_token_id) for g in scheduled for s in g.live_seqs]
+        decoding = [g for g in scheduled if not g.num_computed_tokens]
+        appends = [(s.seq_id, s.last_token_id) for g in decoding for s in g.live_seqs]
         if appends:
             self.block_manager, append_ops = self.block_manager.append(appends)
             ops += append_ops
         rows, row_seqs = [], []
-        for group in scheduled:
+        for group in decoding:
             for seq in group.live_seqs:
                 rows.append(self._row(seq, seq.num_tokens - 1, seq.num_tokens))
                 row_seqs.append([seq])
@@ -363,8 +508,9 @@ class Scheduler:
         self.running.remove(group)
         group.num_preemptions += 1
         self.num_preemptions += 1
-        ids = [s.seq_id for s in group.live_seqs]
-        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(ids):
+        ids = [s.seq_id for s in group.live_seqs if self.block_manager.has(s.seq_id)]
+        prefilling, group.num_computed_tokens = bool(group.num_computed_tokens), {}
+        if self.config.preemption_mode == "swap" and not prefilling and self.block_manager.can_swap_out(ids):
             self.block_manager, ops = self.block_manager.swap_out(ids)
             group.status = GroupStatus.SWAPPED
             self.swapped.append(group)
@@ -383,7 +529,10 @@ class Scheduler:
     # ---- block accounting --------------------------------------------------------------------
 
     def _append_demand(self, group: SequenceGroup, bm: Optional[KVCacheManager] = None) -> int:
-        """Blocks one more token for every live sequence takes (new blocks and copy-on-writes)."""
+        """Blocks one more token for every live sequence takes (new blocks and copy-on-writes); none
+        while the group's prompt is being prefilled (its blocks were taken at admission)."""
+        if group.num_computed_tokens:
+            return 0
         return (bm or self.block_manager).num_blocks_to_append([s.seq_id for s in group.live_seqs])
 
     def _demand(self, groups: Seq[SequenceGroup]) -> int:

@@ -9,9 +9,10 @@ forks, prunes) and every `Sequence.finish_reason`. The engine owns what is gener
 sampled tokens (`Sequence.append_token`), detokenizes them (`text`, the offsets) and keeps the
 beam-search state (`beam_state`) and the time of the first token.
 
-KV invariant: a RUNNING sequence has every token but the last in the KV cache; its last token is
-written by the next decode step. A WAITING sequence has nothing cached (recompute re-prefills
-prompt + generated tokens).
+KV invariant: a RUNNING sequence has every token but the last in the KV cache, and its last token
+is written by the next decode step, except while its group's prompt is being prefilled in chunks
+(`SequenceGroup.num_computed_tokens`: the first tokens computed so far of each sequence being
+prefilled). A WAITING sequence has nothing cached (recompute re-prefills prompt + generated tokens).
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ class SequenceGroup:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
     error: Optional[str] = None  # why a step that ran it failed (its sequences then finish with "error")
     rank: Optional[int] = None  # data parallel: the partition of the pool it was placed on (kept when preempted)
+    # chunked prefill: seq_id -> tokens whose K/V is in the cache or written by the steps scheduled so
+    # far, for each sequence whose prompt (+ generated tokens, after a recompute) is being prefilled;
+    # empty once the group decodes (and always under the prefill-first policy)
+    num_computed_tokens: dict = dataclasses.field(default_factory=dict)
 
     @property
     def is_finished(self) -> bool:

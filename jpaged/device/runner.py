@@ -1,5 +1,8 @@
 """The device side of a step: packs the scheduler's rows into shape buckets, runs the jitted
 `prefill_step` / `decode_step`, samples, and applies the block operations (copy-on-write, swap).
+`prefill_step` runs every step in which a row computes several tokens: whole prompts, prompt chunks
+over cached context and, in a ragged step, the decode rows beside them; `decode_step` every step of
+one token a row.
 
 Step functions are pure, `step(params, kv_cache, inputs) -> (kv_cache, logits)`, jitted with the
 cache donated, so a step writes only its new tokens' K/V into the pool. Every distinct padded shape

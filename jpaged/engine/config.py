@@ -30,7 +30,12 @@ class EngineConfig:
       kernel on a CPU where it was built, else XLA), 'native', 'pallas' or 'xla'; `interpret`
       runs the Pallas kernels in the interpreter.
     max_model_len: the longest sequence (prompt + output), at most the model's context.
-    max_num_seqs / max_num_batched_tokens: a step's sequence and prefill-token budgets.
+    max_num_seqs / max_num_batched_tokens: a step's sequence and token budgets (default tokens:
+      max(max_model_len, 2048)).
+    enable_chunked_prefill: one ragged step under the token budget, decode tokens first, long
+      prompts in chunks (True, as in vLLM v1), or the paper's prefill-first steps (False);
+      long_prefill_token_threshold caps one prompt's tokens in a step (0: none). See
+      `jpaged.core.scheduler`.
     preemption_mode: 'recompute' or 'swap' (into `swap_space` GiB of CPU blocks, as in vLLM).
     watermark: the fraction of the pool kept free when admitting a request while others run,
       against preempting right after admission.
@@ -58,6 +63,8 @@ class EngineConfig:
     max_model_len: Optional[int] = None
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
     preemption_mode: str = "recompute"
     swap_space: float = 0.0
     watermark: float = 0.01
@@ -107,8 +114,16 @@ class EngineConfig:
         elif tp * dp > 1 and tp * dp > jax.device_count():  # (one device: JAX not started, jax.distributed may come)
             make_mesh(tp, dp)  # raises the one-line error: more devices asked for than exist
         # the scheduler's settings, checked now, before any model is loaded
-        SchedulerConfig(max_num_seqs=self.max_num_seqs, preemption_mode=self.preemption_mode, watermark=self.watermark,
-                        max_num_batched_tokens=1 if self.max_num_batched_tokens is None else self.max_num_batched_tokens)
+        self.scheduler_config(1)
+
+    def scheduler_config(self, default_batched_tokens: int) -> SchedulerConfig:
+        """The scheduler's settings (`max_num_batched_tokens` when None: `default_batched_tokens`)."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, preemption_mode=self.preemption_mode, watermark=self.watermark,
+            max_num_batched_tokens=(default_batched_tokens if self.max_num_batched_tokens is None
+                                    else self.max_num_batched_tokens),
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold)
 
     def layout(self) -> tuple[Optional[ShardingStrategy], Optional[jax.sharding.Mesh]]:
         """(strategy, mesh) the runner lays the model and the pool out with, or (None, None): one device."""

@@ -128,10 +128,7 @@ class LLMEngine:
                                          enable_prefix_caching=config.enable_prefix_caching,
                                          max_model_len=self.max_model_len,
                                          sliding_window=model_config.kv_window)
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens or max(self.max_model_len, 2048),
-            preemption_mode=config.preemption_mode, watermark=config.watermark)
+        scheduler_config = config.scheduler_config(max(self.max_model_len, 2048))
         factory = kv_cache_manager or BlockManager.from_spec
         if parts > 1:
             factory = functools.partial(PartitionedBlockManager.from_spec, num_partitions=parts)
@@ -168,20 +165,26 @@ class LLMEngine:
         return self.kv_cache_spec.num_blocks
 
     def _step_limits(self, scheduler_config: SchedulerConfig) -> dict:
-        """The most a step can hold (`ModelRunner.step_shapes`). Rows: max_num_seqs. Prefill tokens: the
-        token budget, except that a step's first group is always admitted: a prompt (under the context) or
-        a group re-prefilled after preemption by recompute (its sequences, each up to the context, within
-        the pool's tokens). Block-table entries: the context's blocks, at most the pool's without a sliding
-        window (whose released entries point at the null block)."""
+        """The most a step can hold (`ModelRunner.step_shapes`). Rows: max_num_seqs. Tokens of a step of
+        several tokens a row: ragged, the budget plus max_num_seqs (the first prefilling group always
+        progresses), any row may start past cached tokens; prefill first, the budget, except that a
+        step's first group is always admitted: a prompt (under the context) or a group re-prefilled after
+        preemption by recompute (its sequences, each up to the context, within the pool's tokens).
+        Block-table entries: the context's blocks, at most the pool's without a sliding window (whose
+        released entries point at the null block)."""
         spec, length = self.kv_cache_spec, self.max_model_len
         pool_tokens = (spec.num_blocks // self.num_partitions - 1) * spec.block_size
-        tokens = max(scheduler_config.max_num_batched_tokens, length - 1,
-                     min(scheduler_config.max_num_seqs * length, pool_tokens))
+        if scheduler_config.enable_chunked_prefill:
+            tokens = min(scheduler_config.max_num_batched_tokens + scheduler_config.max_num_seqs, pool_tokens)
+        else:
+            tokens = max(scheduler_config.max_num_batched_tokens, length - 1,
+                         min(scheduler_config.max_num_seqs * length, pool_tokens))
         width = blocks_for(length, spec.block_size)
         if spec.sliding_window is None:
             width = min(width, spec.num_blocks // self.num_partitions - 1)
         return dict(max_num_seqs=scheduler_config.max_num_seqs, max_prefill_tokens=tokens, max_model_len=length,
-                    max_width=width, prefix_caching=spec.enable_prefix_caching)
+                    max_width=width,
+                    prefix_caching=spec.enable_prefix_caching or scheduler_config.enable_chunked_prefill)
 
     def warm_up(self, progress: Optional[Callable[[int, int], None]] = None, *,
                 workers: Optional[int] = None) -> WarmUp:
@@ -378,6 +381,8 @@ class LLMEngine:
                 sample_rows.append(SampleRow(row, temperature, p.top_k, p.top_p, group.seed, seq.sample_index,
                                              len(seq.output_token_ids)))
                 targets.append(seq)
+        if not sample_rows:  # every row a chunk of a prompt that goes on in a later step
+            return inputs.shape_key, int(inputs.token_ids.shape[0]), 0
         num_top = max(g.params.num_top_logprobs for g in out.groups)
         samples = self.runner.sample(logits, sample_rows, num_top, shapes=self.shapes)
         now = time.monotonic()
@@ -385,9 +390,11 @@ class LLMEngine:
         for i, seq in enumerate(targets):
             by_group[group_of[seq.seq_id].request_id].append((seq, i))
         for group in out.groups:
+            entries = by_group[group.request_id]
+            if not entries:
+                continue  # its prompt is being prefilled
             if group.first_token_time is None:
                 group.first_token_time = now
-            entries = by_group[group.request_id]
             if group.params.use_beam_search:
                 self._beam_step(group, [(seq, samples["top_ids"][i], samples["top_logprobs"][i])
                                         for seq, i in entries])

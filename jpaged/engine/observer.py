@@ -29,7 +29,9 @@ class StepRecord:
     """One engine step, after it ran.
 
     index: this engine's step count before the step (0, 1, ...).
-    kind: "prefill", "decode", or None when the step ran no model step (nothing was runnable).
+    kind: "decode" (every row computes one token), "prefill" (a row computes several: prompts or
+      prompt chunks, with decode rows beside them in a ragged step), or None when the step ran no
+      model step (nothing was runnable).
     num_rows: rows the model step computed (sequences; a fresh group of n samples prefills one).
     num_computed_tokens: tokens whose K/V the model step computed, unpadded (a decode step: its rows).
     num_padded_tokens: the same, padded to the step's shape bucket.

@@ -147,7 +147,13 @@ def add_engine_arguments(parser) -> None:
                         help="run the Pallas kernels in the Pallas interpreter (slow: for checking them on a CPU)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once, at most")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="prompt tokens a prefill step computes, at most (default: max(context, 2048))")
+                        help="tokens a step computes, at most: decode tokens first, then prompt chunks (default: "
+                        "max(context, 2048))")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="one ragged step under the token budget, long prompts in chunks, mixed with decode "
+                        "(default); --no-enable-chunked-prefill: the paper's separate prefill and decode steps")
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                        help="tokens of one prompt a step computes, at most (0: no cap but the budget)")
     parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                         help="what happens to the latest requests when KV blocks run out")
     parser.add_argument("--swap-space", type=float, default=4.0, metavar="GiB",
@@ -179,6 +185,8 @@ def engine_config(args):
                         kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
                         attention_backend=args.attention_backend, interpret=args.interpret,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_chunked_prefill=args.enable_chunked_prefill,
+                        long_prefill_token_threshold=args.long_prefill_token_threshold,
                         preemption_mode=args.preemption_mode,
                         swap_space=args.swap_space if args.preemption_mode == "swap" else 0.0,
                         enable_prefix_caching=args.enable_prefix_caching,
