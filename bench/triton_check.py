@@ -154,8 +154,10 @@ def compile_for_sm90(module: TritonModule) -> dict:
 
 
 def default_report() -> list[dict]:
-    """ptxas statistics for the three kernels at the bench's head configurations."""
-    from pallas_kernels import copy_blocks, paged_attention, write_kv
+    """ptxas statistics for the kernels at the bench's head configurations (the ragged kernel with and
+    without a window and soft-cap: 512 packed tokens in 32 rows). Each row also gives ``ir_chars``, the
+    size of the kernel's Triton IR."""
+    from pallas_kernels import copy_blocks, paged_attention, ragged_paged_attention, write_kv
 
     spec = jax.ShapeDtypeStruct
     rows = []
@@ -178,11 +180,19 @@ def default_report() -> list[dict]:
                 ),
                 "copy_blocks": (copy_blocks, (pool, spec((16, 2), jnp.int32)), {}),
             }
-            for fn, args, kwargs in cases.values():
+            ragged_args = (spec((512, heads, head_dim), dtype), pool, spec((33,), jnp.int32),
+                           spec((32,), jnp.int32), spec((32, 256), jnp.int32))
+            cases["ragged_paged_attention"] = (
+                functools.partial(ragged_paged_attention, scale=head_dim**-0.5), ragged_args,
+                {"layer": layer})
+            cases["ragged_paged_attention (window, softcap)"] = (
+                functools.partial(ragged_paged_attention, scale=head_dim**-0.5, softcap=50.0), ragged_args,
+                {"layer": layer, "window": spec((), jnp.int32)})
+            for case, (fn, args, kwargs) in cases.items():
                 for module in triton_modules(fn, *args, **kwargs):
                     stats = compile_for_sm90(module)
-                    stats.update(dtype=jnp.dtype(dtype).name, heads=f"{heads}/{kv_heads}",
-                                 head_dim=head_dim, block_size=block_size)
+                    stats.update(case=case, dtype=jnp.dtype(dtype).name, heads=f"{heads}/{kv_heads}",
+                                 head_dim=head_dim, block_size=block_size, ir_chars=len(module.ir))
                     rows.append(stats)
     return rows
 

@@ -1,14 +1,19 @@
 """Pallas kernels for PagedAttention (Kwon et al., SOSP 2023, section 5.1), with references.
 
-The three fused kernels of the paper, each beside a plain-``jnp`` reference and behind a jitted
-wrapper that validates shapes once and takes ``interpret: bool`` (run the Pallas interpreter on
-a CPU instead of compiling for a GPU):
+The three fused kernels of the paper and a ragged generalisation of the first, each beside a
+plain-``jnp`` reference and behind a jitted wrapper that validates shapes once and takes
+``interpret: bool`` (run the Pallas interpreter on a CPU instead of compiling for a GPU):
 
 * :func:`paged_attention` (:mod:`pallas_kernels.paged_attention`): decode attention that reads
   K/V block by block through the block table inside the kernel; GQA groups share each K/V
   load; exact online softmax masked by context length; optional split-K with a
   log-sum-exp merge; optional sliding window (a traced per-layer W: the loop starts at the
   window's first block) and logit soft-capping.
+* :func:`ragged_paged_attention` (:mod:`pallas_kernels.ragged_paged_attention`): causal attention
+  of a ragged batch (decode rows, prefill chunks over cached context and whole prompts, packed
+  end to end and described by ``cu_q_lens``, ``kv_lens`` and ``page_indices``) in one launch:
+  query tiles of each row's tokens, GQA groups together, a key loop over the blocks each tile
+  needs, the same window / soft-cap options as the decode kernel.
 * :func:`write_kv` (:mod:`pallas_kernels.cache_write`): fused reshape-and-block-write of a
   step's new K/V into their slots, in place.
 * :func:`copy_blocks` (:mod:`pallas_kernels.block_copy`): every copy-on-write block copy of a
@@ -41,12 +46,15 @@ implementation of the same attention.
 from pallas_kernels.block_copy import copy_blocks, copy_blocks_reference
 from pallas_kernels.cache_write import write_kv, write_kv_reference
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
 __all__ = [
     "copy_blocks",
     "copy_blocks_reference",
     "paged_attention",
     "paged_attention_reference",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
     "write_kv",
     "write_kv_reference",
 ]

@@ -223,8 +223,9 @@ def test_cli_generates_from_a_family_directory(family_models, default_model, cap
 
 @pytest.mark.parametrize("name", ["gemma2", "mistral"])
 def test_pallas_kernels_in_the_interpreter_give_hfs_tokens(family_models, default_model, name):
-    """The Pallas backend (the decode kernel in the Pallas interpreter) on a soft-capped, mixed-window
-    family and on one whose windows release blocks (null entries before the window): HF's tokens."""
+    """The Pallas backend (its decode and ragged kernels in the Pallas interpreter) on a soft-capped,
+    mixed-window family and on one whose windows release blocks (null entries before the window): HF's
+    tokens."""
     directory, model = family_models[name]
     llm = LLM(model=str(directory), block_size=4, num_blocks=64, attention_backend="pallas", interpret=True)
     ids = [list(default_model.tokenizer(p).input_ids) for p in PROMPTS[:2]]

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from jpaged import SamplingParams
+from jpaged.device import runner
 from jpaged.device.batch import StepShapes, _tiles, bucket_values, row_bucket
 from jpaged.entrypoints.server import ServerConfig
 
@@ -107,8 +108,7 @@ class Row:
         self.slots = [self.block_table[p // block_size] * block_size + p % block_size for p in range(start, context)]
 
 
-READS = {"native": ((False, False), (True, True)), "pallas": ((True, False), (False, True)),
-         "xla": ((True, True), (False, False))}
+READS = runner._READS  # attention backend -> whether it reads the plan / the block tables (prefill, decode)
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])

@@ -5,7 +5,7 @@ Packing. The new tokens of all rows are laid end to end (`token_ids i32[N]`, no 
 so a prefill of a 1,000-token and a 40-token prompt costs 1,040 token-steps of the matmuls, not
 2 x 1,024. Only the total N is padded (to a shape bucket, below); padded tokens write to the null block.
 
-Attention plan (the XLA path; the Pallas decode kernel reads `block_tables` instead). Each row's
+Attention plan (the XLA path; the native and Pallas kernels read `block_tables` instead). Each row's
 new tokens are cut into *query tiles* of `q_tile` tokens and its context (cached + new tokens)
 into *key tiles* of `k_tile` tokens (whole blocks). A *pair* is a query tile and a key tile of the
 same row whose first key position is <= the tile's last query position: every pair is work that
@@ -89,7 +89,7 @@ class ModelInputs:
     positions     i32[N]     their absolute positions in their sequence
     slot_mapping  i32[N]     where each new token's K/V is written (padding: a slot of the null block)
     logits_index  i32[B]     the packed index of each row's last new token (padding rows: 0)
-    block_tables  i32[B, M]  physical block ids in logical order (padding: 0); the Pallas kernel's view
+    block_tables  i32[B, M]  physical block ids in logical order (padding: 0); the kernels' view
     context_lens  i32[B]     tokens of each row in the cache after this step (padding rows: 0)
     plan          the XLA path's attention plan
     """

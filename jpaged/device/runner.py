@@ -115,7 +115,7 @@ _SAMPLE_MODES = ((False, False), (False, True), (True, True))
 
 # attention backend name -> whether it reads the attention plan / the block tables, in (prefill, decode)
 # steps (what a backend does not read is packed at one entry: it adds no shape). Others: everything.
-_READS = {"native": ((False, False), (True, True)), "pallas": ((True, False), (False, True)),
+_READS = {"native": ((False, False), (True, True)), "pallas": ((False, False), (True, True)),
           "xla": ((True, True), (False, False))}
 
 
