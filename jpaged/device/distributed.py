@@ -22,9 +22,22 @@ twice is refused at once, where JAX's own handshake would wait, then abort the p
 On CPUs the collectives go through gloo; each process's CPU devices are forced as usual
 (`XLA_FLAGS=--xla_force_host_platform_device_count=N` before JAX starts).
 
+A request stream that arrives while the engine runs (`jpaged serve`): `open_link` (a collective, after
+`initialize`) connects process 0 to every other process beside JAX's runtime, on a port of process 0's
+host the system chooses (handed over with `broadcast`). Process 0 `send`s each step's new requests and
+aborts, the others `receive` them in order (`jpaged.engine.lockstep` does the stepping). The link is
+also how a process learns that another went away: a killed or crashed process's sockets close at once,
+a hung or unreachable one stops its heartbeats (every second; given up after 30 s of silence), and
+`on_lost(message)` is called from the link's own thread, with one line naming the process, even while
+the main thread waits in a collective that will never return (gloo has no timeout; JAX's coordination
+service would abort the process only after its 100 s heartbeat timeout). `close` ends the link in order.
+
 What holds across processes: `LLM.generate` / `chat` broadcast process 0's requests and return the
 outputs on every process; the CLI (`jpaged generate --coordinator-address HOST:PORT --num-processes N
---process-id I`) prints on process 0 alone. Preemption by swap works: swapped blocks come back
+--process-id I`) prints on process 0 alone; `jpaged serve` with the same flags serves HTTP on process 0
+alone, every process stepping in lockstep, and a process that goes away ends the others (within about a
+second, one `error:` line each; process 0 first answers its open requests with the error). Preemption by
+swap works: swapped blocks come back
 replicated, and every process keeps the same CPU swap pool. With `LLMEngine` directly, add the same
 requests in the same order on every process (`broadcast` them from process 0) and abort none from
 another thread: a process that schedules otherwise than the others waits in a collective forever.
@@ -278,3 +291,214 @@ def broadcast(value):
     padded = np.zeros(size, np.uint8)
     padded[:payload.size] = payload
     return pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(padded)).tobytes())
+
+
+# ---- the link: process 0's own line to every other process, beside JAX's runtime
+#   frames on TCP: a 4-byte big-endian length, then that many bytes of pickle; length 0 is a heartbeat,
+#   _BYE says that the sender closes in order (its connection closing afterwards is no loss)
+
+_BYE = 2**32 - 1
+_END = object()  # in a follower's inbox: process 0 closed the link in order
+
+
+class LinkLost(RuntimeError):
+    """A process of the job went away (killed, crashed, hung or unreachable): the message, one line,
+    says which and how it was noticed."""
+
+
+class Link:
+    """Process 0's connection to each other process, for messages that every process must see in the
+    same order (`send` on process 0, `receive` on the others), and each end told at once when the
+    other goes away. Built by `open_link`, a collective.
+
+    Why beside JAX's runtime: a process that dies leaves the others waiting in a collective forever
+    (gloo on CPUs has no timeout), and JAX's coordination service notices only after its heartbeat
+    timeout (100 s), then aborts the process with a C++ error. Here a process killed or crashed has
+    its sockets closed by its system, which its peer sees at once; one that hangs or becomes
+    unreachable stops its heartbeats (every `heartbeat_s`, from a thread of its own) and is given up
+    after `timeout_s` of silence. Either way `on_lost(message)` is called once, from the link's reader
+    thread, whatever the main thread is stuck in, with one line naming the process and what happened;
+    afterwards `send` and `receive` raise `LinkLost` with it. A peer's closing after `close` is no loss.
+    Messages are pickled: the processes of one job trust one another (as for `broadcast`).
+    """
+
+    def __init__(self, conns: dict, *, process_id: int, num_processes: int, heartbeat_s: float, timeout_s: float,
+                 on_lost: Optional[Callable[[str], None]] = None):
+        import queue
+        import threading
+
+        self.process_id, self.num_processes = process_id, num_processes
+        self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
+        self.lost: Optional[str] = None  # the message, once a peer went away
+        self._conns = conns  # peer process id -> socket (process 0: every other process; the others: {0: ...})
+        self._on_lost = on_lost
+        self._inbox: queue.Queue = queue.Queue()
+        self._send_lock, self._state_lock = threading.Lock(), threading.Lock()
+        self._closing = False
+        self._stopped, self._lost = threading.Event(), threading.Event()
+        for peer, conn in conns.items():
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(timeout_s)  # a read (or a send) that waits this long: the peer is given up
+            threading.Thread(target=self._read, args=(peer, conn), name=f"jpaged-link-{peer}", daemon=True).start()
+        threading.Thread(target=self._beat, name="jpaged-link-heartbeat", daemon=True).start()
+
+    def send(self, message) -> None:
+        """Process 0: `message` to every other process, in order. Raises LinkLost once one went away."""
+        payload = pickle.dumps(message)
+        self._write(len(payload).to_bytes(4, "big") + payload)
+
+    def receive(self):
+        """Another process: process 0's next message; None once process 0 closed the link in order.
+        Raises LinkLost when process 0 went away."""
+        item = self._inbox.get()
+        if item is _END or isinstance(item, LinkLost):
+            self._inbox.put(item)  # and again for any later call
+            if item is _END:
+                return None
+            raise item
+        return item
+
+    def wait_lost(self, timeout: float) -> bool:
+        """Whether a peer has gone away, or does within `timeout` seconds."""
+        return self._lost.wait(timeout)
+
+    def close(self) -> None:
+        """Ends the link in order: the others learn that what follows (this process's sockets closing)
+        is no loss. Idempotent."""
+        with self._state_lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._stopped.set()
+        with self._send_lock:
+            for conn in self._conns.values():
+                try:
+                    conn.sendall(_BYE.to_bytes(4, "big"))
+                    conn.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+        for conn in self._conns.values():
+            conn.close()
+
+    def _write(self, frame: bytes) -> None:
+        if self.lost is not None:
+            raise LinkLost(self.lost)
+        with self._send_lock:
+            for peer, conn in self._conns.items():
+                try:
+                    conn.sendall(frame)
+                except OSError as e:
+                    if not self._closing:
+                        self._lose(f"{self._name(peer)} went away (sending to it failed: "
+                                   f"{(e.strerror or str(e)).lower()}; killed or crashed?)")
+                    raise LinkLost(self.lost or "the link is closed") from None
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(self.heartbeat_s):
+            try:
+                self._write(b"\0\0\0\0")
+            except LinkLost:
+                return
+
+    def _read(self, peer: int, conn: socket.socket) -> None:
+        try:
+            while True:
+                size = int.from_bytes(_recv_exactly(conn, 4), "big")
+                if size == _BYE:
+                    if peer != 0:  # another process may not leave a running engine: process 0 cannot go on
+                        self._lose(f"{self._name(peer)} stopped (it closed its connection to process 0; its own "
+                                   "output says why)")
+                        return
+                    with self._state_lock:  # process 0 ended the link: nothing that follows is a loss
+                        self._closing = True
+                    self._stopped.set()
+                    self._inbox.put(_END)
+                    return
+                if size:
+                    self._inbox.put(pickle.loads(_recv_exactly(conn, size)))
+        except socket.timeout:
+            self._lose(f"{self._name(peer)} sent nothing for {self.timeout_s:g} s, not even its heartbeat "
+                       "(hung, or its machine unreachable)")
+        except (OSError, EOFError):
+            self._lose(f"{self._name(peer)} went away (its connection closed: killed or crashed?)")
+        except Exception as e:  # noqa: BLE001 - an unreadable message: the processes run different code
+            self._lose(f"{self._name(peer)} sent a message this process cannot read ({type(e).__name__}: {e}): run "
+                       "the same jpaged on every process")
+
+    def _name(self, peer: int) -> str:
+        return f"process {peer} of {self.num_processes}"
+
+    def _lose(self, message: str) -> None:
+        with self._state_lock:
+            if self._closing or self.lost is not None:
+                return
+            self.lost = message
+        self._stopped.set()
+        self._lost.set()
+        self._inbox.put(LinkLost(message))
+        if self._on_lost is not None:
+            self._on_lost(message)
+
+
+def _recv_exactly(conn: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        part = conn.recv(min(size - len(data), 1 << 20))
+        if not part:
+            raise EOFError("the connection closed")
+        data += part
+    return bytes(data)
+
+
+def open_link(coordinator_address: str, *, heartbeat_s: float = 1.0, timeout_s: float = 30.0,
+              on_lost: Optional[Callable[[str], None]] = None, connect_timeout: float = 60.0) -> Link:
+    """The `Link` between process 0 and every other process: a collective (every process calls it once,
+    after `initialize`, with the same `coordinator_address`). Process 0 listens on a port the system
+    chooses, on every address (as the coordinator does), and hands it to the others with `broadcast`;
+    they connect to the coordinator's host at that port. With one process: a link to nobody."""
+    num_processes, process_id = jax.process_count(), jax.process_index()
+    host = str(coordinator_address).rsplit(":", 1)[0].strip("[]")
+    kwargs = dict(process_id=process_id, num_processes=num_processes, heartbeat_s=heartbeat_s, timeout_s=timeout_s,
+                  on_lost=on_lost)
+    if num_processes == 1:
+        return Link({}, **kwargs)
+    listener = None
+    if process_id == 0:
+        listener = (socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+                    if socket.has_dualstack_ipv6() else socket.create_server(("", 0)))
+    port = broadcast(listener.getsockname()[1] if listener is not None else None)
+    deadline = time.monotonic() + connect_timeout
+    conns: dict[int, socket.socket] = {}
+    if listener is None:
+        try:
+            conn = socket.create_connection((host, port), timeout=connect_timeout)
+            _send(conn, f"jpaged-link {process_id}")
+        except OSError as e:
+            raise ValueError(f"process {process_id} cannot reach process 0 at {host}:{port}, the port it listens on "
+                             f"for the engine's requests ({(e.strerror or str(e)).lower()}): let the processes reach "
+                             "each other on any port of process 0's host") from None
+        return Link({0: conn}, **kwargs)
+    with listener:
+        listener.settimeout(1.0)
+        while len(conns) < num_processes - 1:
+            if time.monotonic() > deadline:
+                for conn in conns.values():
+                    conn.close()
+                missing = [i for i in range(1, num_processes) if i not in conns]
+                raise ValueError(f"process {', '.join(map(str, missing))} did not connect to process 0's port {port} "
+                                 f"within {connect_timeout:g} s: let the processes reach each other on any port of "
+                                 "process 0's host")
+            try:
+                conn, _ = listener.accept()
+            except (socket.timeout, InterruptedError):
+                continue
+            conn.settimeout(5)
+            try:
+                words = _readline(conn).split()
+            except OSError:
+                words = []
+            if len(words) == 2 and words[0] == "jpaged-link" and words[1].isdigit() and int(words[1]) not in conns:
+                conns[int(words[1])] = conn
+            else:
+                conn.close()
+    return Link(conns, **kwargs)

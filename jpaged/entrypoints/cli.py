@@ -8,8 +8,11 @@ stderr and its time printed; `--no-warm-up` skips it), so that no request waits 
 `jpaged convert`: a model as a jpaged checkpoint. `jpaged generate --coordinator-address HOST:PORT
 --num-processes N --process-id I`: one of N processes of one engine (`jpaged.device.distributed`);
 process 0 reads the prompts and prints, the others print nothing; each says on stderr that it waits
-for the others, and ends with one line past `--join-timeout`. `--seed S` gives prompt i the seed
-S + i*n (`--same-seed`: S for all). Bad input (a malformed option too, without the usage): a
+for the others, and ends with one line past `--join-timeout`. `jpaged serve` takes the same flags:
+process 0 serves HTTP and hands each step's requests to the others (`jpaged.engine.lockstep`), which
+say in one line that they follow it; a process that goes away ends the others, each with one
+`error: ...` line and exit status 1 (process 0 answering its open requests with the error first).
+`--seed S` gives prompt i the seed S + i*n (`--same-seed`: S for all). Bad input (a malformed option too, without the usage): a
 one-line `error: ...` on stderr and exit status 2, before anything loads; a request that failed in
 a step: its error on stderr and exit status 1.
 
@@ -98,16 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(g)
     g.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as given")
     g.add_argument("--json", action="store_true", help="one JSON object per request, then a summary line")
-    g.add_argument("--coordinator-address", metavar="HOST:PORT", default=None,
-                   help="several processes (jax.distributed): process 0's address, where it waits for the others; "
-                   "every process runs the same command with its own --process-id")
-    g.add_argument("--num-processes", type=int, default=1, help="processes taking part (with --coordinator-address)")
-    g.add_argument("--process-id", type=int, default=0,
-                   help="this process's id, 0..N-1: process 0 reads the prompts and prints the outputs; the "
-                   "others take process 0's prompts (their own are ignored) and print nothing")
-    g.add_argument("--join-timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="how long each process waits for all the others to join (with --coordinator-address); "
-                   "past it: one error line, exit status 2")
+    add_process_arguments(g, "process 0 reads the prompts and prints the outputs; the others take process 0's "
+                          "prompts (their own are ignored) and print nothing")
     v = sub.add_parser("serve", help="serve the OpenAI API (completions, chat completions) over HTTP")
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     v.add_argument("--port", type=int, default=8000)
@@ -123,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start serving at once, without compiling every step shape first (requests then wait for "
                    "the compilations of the shapes they meet)")
     add_engine_arguments(v)
+    add_process_arguments(v, "process 0 serves HTTP; the others serve nothing and run process 0's requests, step "
+                          "by step; when one of them goes away, the others end (process 0 answering the requests "
+                          "in flight with an error)")
     c = sub.add_parser("convert", help="save a model as a jpaged (orbax) checkpoint that loads in seconds")
     c.add_argument("--model", help="a .gguf file or a HF Llama directory (default: embedded SmolLM2-135M-Instruct)")
     c.add_argument("--out", default=None, help="new directory to write (default: checkpoints/<model name>)")
@@ -170,6 +168,42 @@ def add_engine_arguments(parser) -> None:
                         "'none': off)")
 
 
+def add_process_arguments(parser, roles: str) -> None:
+    """The flags of one process among several (`jpaged.device.distributed`), shared by `generate` and
+    `serve`; `roles` says what process 0 and the others do."""
+    parser.add_argument("--coordinator-address", metavar="HOST:PORT", default=None,
+                        help="several processes (jax.distributed): process 0's address, where it waits for the "
+                        "others; every process runs the same command with its own --process-id")
+    parser.add_argument("--num-processes", type=int, default=1,
+                        help="processes taking part (with --coordinator-address)")
+    parser.add_argument("--process-id", type=int, default=0, help=f"this process's id, 0..N-1: {roles}")
+    parser.add_argument("--join-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="how long each process waits for all the others to join (with --coordinator-address); "
+                        "past it: one error line, exit status 2")
+
+
+def several_processes(args) -> bool:
+    """Whether this process is one of several (`--coordinator-address`, `--num-processes`,
+    `--process-id`, `--join-timeout` checked: ValueError before anything starts)."""
+    from jpaged.device import distributed
+
+    if args.coordinator_address is not None or args.num_processes != 1:
+        distributed.check_address(args.coordinator_address, args.num_processes, args.process_id,
+                                  initialization_timeout=args.join_timeout)
+        return True
+    if args.process_id != 0:
+        raise ValueError("--process-id needs --coordinator-address and --num-processes (several processes)")
+    return False
+
+
+def join(args) -> None:
+    """Joins the other processes (`distributed.initialize`, with `--join-timeout`)."""
+    from jpaged.device import distributed
+
+    distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                           initialization_timeout=args.join_timeout)
+
+
 def check_swap_space(args) -> None:
     """`--swap-space`, whatever `--preemption-mode` says (it is used only with swap)."""
     if not args.swap_space >= 0:  # NaN included
@@ -195,25 +229,33 @@ def engine_config(args):
 
 
 def serve(args) -> int:
+    """One process: the server. Several (`--coordinator-address ...`): process 0 serves, every process
+    runs its steps (`jpaged.engine.lockstep`); see `_serve_lockstep`."""
     import pathlib
     import socket
 
     from jpaged.engine import LLMEngine
     from jpaged.entrypoints import server
 
+    several = several_processes(args)
+    first = args.process_id == 0  # several processes: process 0 serves HTTP, the others follow it
+    check_swap_space(args)
+    if first:  # the server's options, and its port, before anything loads
+        name = args.served_model_name or (pathlib.Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
+        server_config = server.ServerConfig(model_name=name, api_key=server.api_key_from(args.api_key),
+                                            max_request_bytes=args.max_request_bytes, max_waiting=args.max_waiting,
+                                            grace_period_s=args.grace_period)
+        if not 0 < args.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {args.port}")
+        with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as probe:
+            try:
+                probe.bind((args.host, args.port))
+            except OSError as e:
+                raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}): pass another --port "
+                                 "or --host") from None
+    if several:
+        return _serve_lockstep(args, server_config if first else None)
     config = engine_config(args)
-    name = args.served_model_name or (pathlib.Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
-    server_config = server.ServerConfig(model_name=name, api_key=server.api_key_from(args.api_key),
-                                        max_request_bytes=args.max_request_bytes, max_waiting=args.max_waiting,
-                                        grace_period_s=args.grace_period)
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as probe:  # before loading
-        try:
-            probe.bind((args.host, args.port))
-        except OSError as e:
-            raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}): pass another --port "
-                             "or --host") from None
     use_compile_cache(args)
     status = _Status(sys.stderr.isatty())
     status.say(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
@@ -223,6 +265,68 @@ def serve(args) -> int:
         warm_up(engine, sys.stderr.isatty())
     server.serve(engine, server_config, host=args.host, port=args.port)
     return 0
+
+
+def _serve_lockstep(args, server_config) -> int:
+    """`jpaged serve` as one of several processes: joins the others, opens the link between them
+    (`distributed.open_link`) before anything loads, so that a process that goes away, from then on,
+    ends the others: one `error: ...` line naming it, exit status 1 (process 0 first answers the requests
+    in flight with a 500 error, or an error event when streamed). Process 0 serves through a `Lockstep`
+    and, when it stops (SIGTERM), ends the others; they print one line saying they follow it, run its
+    steps and serve nothing."""
+    import jax
+
+    from jpaged.device import distributed
+    from jpaged.engine import LLMEngine
+    from jpaged.engine.lockstep import Lockstep
+    from jpaged.entrypoints import server
+
+    first, me, num = args.process_id == 0, args.process_id, args.num_processes
+    join(args)
+    config = engine_config(args)  # checked against the global devices: alike on every process
+    failing: dict = {}  # process 0: the server's `fail`, once it is built
+
+    def lost(message: str) -> None:  # from the link's thread, whatever the main thread is stuck in
+        if first:
+            print(f"error: {message}: the engine runs on every process, so process 0 stops serving too (the "
+                  "requests in flight get an error)", file=sys.stderr, flush=True)
+            if "fail" in failing and failing["fail"](message):
+                time.sleep(1)  # the handlers send their errors
+        else:
+            print(f"error: {message}: process {me} stops too", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # a collective under way never returns, nor would jax.distributed's shutdown
+
+    link = distributed.open_link(args.coordinator_address, on_lost=lost)
+    try:
+        use_compile_cache(args)
+        status = _Status(first and sys.stderr.isatty())
+        status.say(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
+        lockstep = Lockstep(LLMEngine(config), link)
+        if not first:
+            if args.warm_up and lockstep.engine.shapes is not None:
+                lockstep.engine.warm_up()  # compiles alone: no collective
+            print(f"[jpaged] process {me} of {num} follows process 0, which serves HTTP: it runs process 0's steps "
+                  "and ends when process 0 stops", file=sys.stderr, flush=True)
+            lockstep.follow()
+            print(f"[jpaged] process 0 stopped: process {me} ends", file=sys.stderr, flush=True)
+            jax.distributed.shutdown()  # with process 0's: its coordination service ends in order
+            return 0
+        logging.getLogger("jpaged.server").setLevel(logging.INFO)
+        if args.warm_up:
+            warm_up(lockstep.engine, sys.stderr.isatty())
+
+        def stop() -> None:  # the server has stopped stepping (SIGTERM): the others end, then JAX's runtime
+            lockstep.stop()
+            jax.distributed.shutdown()
+
+        app = server.build_app(lockstep, server_config, on_stop=stop)
+        failing["fail"] = app.state.fail
+        server.serve(lockstep, server_config, host=args.host, port=args.port, app=app)
+        return 0
+    except BaseException:  # e.g. a bad option, raised alike everywhere: each says it, none blames the others
+        link.close()
+        raise
 
 
 def warm_up(engine, at_terminal: bool) -> None:
@@ -320,12 +424,7 @@ def generate(args) -> int:
     from jpaged.device import distributed
     from jpaged.entrypoints.llm import LLM
 
-    several = args.coordinator_address is not None or args.num_processes != 1
-    if several:
-        distributed.check_address(args.coordinator_address, args.num_processes, args.process_id,
-                                  initialization_timeout=args.join_timeout)
-    elif args.process_id != 0:
-        raise ValueError("--process-id needs --coordinator-address and --num-processes (several processes)")
+    several = several_processes(args)
     first = args.process_id == 0  # several processes: process 0 reads the prompts, the others run them
     texts = read_prompts(args) if first else []
     given = args.max_tokens is not None
@@ -334,8 +433,7 @@ def generate(args) -> int:
     check_swap_space(args)
     check_max_tokens(args)  # the model's metadata alone: JAX has not started
     if several:  # joins the others first: the engine's settings are checked against the global devices
-        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                               initialization_timeout=args.join_timeout)
+        join(args)
         texts = distributed.broadcast(texts)  # process 0's: every process checks them alike below
     config = engine_config(args)
     use_compile_cache(args)

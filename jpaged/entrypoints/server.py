@@ -18,7 +18,9 @@ Who may come in: the server binds 127.0.0.1 unless told otherwise; with an API k
 or `JPAGED_API_KEY`) every endpoint but /health needs `Authorization: Bearer KEY` (401 otherwise).
 Request bodies are bounded (413), prompts by the model's context (400), and the waiting queue
 (503 past it). A client that disconnects before its answer (streamed or not) aborts its request,
-which frees its blocks.
+which frees its blocks. An engine that can step no more (`app.state.fail`: a process of a
+multi-process engine went away) answers every open request with a 500 error naming why (streamed: an
+error event), and every later one with a 503.
 SIGTERM: the server stops listening (new connections are refused, requests on open connections
 get 503), running requests get a grace period to finish, the rest are aborted (their streams end
 with a last chunk, `finish_reason: "abort"` as vLLM sends it, and [DONE]), and the process ends by
@@ -36,7 +38,7 @@ import logging
 import os
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from jpaged.engine import LLMEngine, RequestOutput
 from jpaged.entrypoints import openai_protocol as api
@@ -131,6 +133,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
+        self._failure: Optional[str] = None  # why the engine can step no more (`fail`)
         engine.add_observer(lambda record: metrics.observe_step(engine, record))
         self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
 
@@ -148,6 +151,8 @@ class EngineLoop:
         """Queues a request (raises ValueError when the engine refuses it); returns its output queue."""
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            if self._failure is not None:
+                raise api.ApiError(self._failure, status=503, type="server_error")
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
         try:
             self.engine.add_request(request_id, prompt, params)
@@ -174,6 +179,21 @@ class EngineLoop:
             ids = list(self._queues)
         return sum(self.abort(request_id) for request_id in ids)
 
+    def fail(self, message: str) -> int:
+        """The engine can step no more (a process of a multi-process engine went away, its step stuck in
+        a collective): stops stepping (without waiting for the step under way) and ends every request in
+        flight with `message`, an `api.ApiError` in its queue (its handler answers with that error);
+        later requests are refused with it. Returns how many requests it ended."""
+        self._stopping = True
+        self._wake.set()
+        error = api.ApiError(message, status=500, type="server_error")
+        with self._lock:
+            self._failure = message
+            targets, self._queues = list(self._queues.values()), {}
+        for loop, queue in targets:
+            loop.call_soon_threadsafe(queue.put_nowait, error)
+        return len(targets)
+
     def _run(self) -> None:
         while not self._stopping:
             if not self.engine.has_unfinished():
@@ -183,8 +203,10 @@ class EngineLoop:
             try:
                 outputs = self.engine.step()
             except Exception:  # noqa: BLE001 - a bug must not kill the loop that serves everyone
-                logger.exception("an engine step raised")
                 time.sleep(0.1)  # and must not spin
+                if self._stopping:  # the engine failed as a whole (`fail`), which says why
+                    break
+                logger.exception("an engine step raised")
                 continue
             for out in outputs:
                 if out.finished:  # counted here: an aborted request's handler is gone
@@ -198,8 +220,12 @@ class EngineLoop:
                     loop.call_soon_threadsafe(queue.put_nowait, out)
 
 
-def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
-    """The ASGI application (Starlette), with its engine loop started and stopped by its lifespan."""
+def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig(), *,
+              on_stop: Optional[Callable[[], None]] = None):
+    """The ASGI application (Starlette), with its engine loop started and stopped by its lifespan;
+    `on_stop()` is called once that loop has stopped (e.g. `Lockstep.stop`: the other processes end).
+    `app.state.fail(message)`: the engine can step no more; every request in flight gets a 500 error
+    with `message`, every later one a 503 with it (`EngineLoop.fail`)."""
     import contextlib
 
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -214,7 +240,7 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
         metrics.warm_up_executables.set(engine.warm_up_summary.num_executables)
         metrics.warm_up_seconds.set(engine.warm_up_summary.seconds)
     loop = EngineLoop(engine, metrics)
-    state = {"admitting": True, "aborted": 0}  # aborted: requests cut at shutdown
+    state = {"admitting": True, "aborted": 0, "failure": None}  # aborted: requests cut at shutdown
     tokenizer = engine.tokenizer
 
     def error(e: api.ApiError) -> JSONResponse:
@@ -242,7 +268,7 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
     def admit(parsed: api.ParsedRequest, request_id: str) -> list[tuple[str, asyncio.Queue]]:
         """Queues one engine request per prompt; all or none."""
         if not state["admitting"]:
-            raise api.ApiError("the server is shutting down", status=503, type="server_error")
+            raise api.ApiError(state["failure"] or "the server is shutting down", status=503, type="server_error")
         if len(parsed.prompts) > config.max_waiting:
             raise api.ApiError(f"a request may carry at most {config.max_waiting} prompts (--max-waiting), got "
                                f"{len(parsed.prompts)}: split it", param="prompt")
@@ -298,6 +324,8 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
         for (_, queue), tracker in zip(queues, trackers):
             while True:
                 out = await queue.get()
+                if isinstance(out, api.ApiError):  # the engine failed as a whole (EngineLoop.fail)
+                    raise out
                 tracker.update(out)
                 if out.finished:
                     results.append(out)
@@ -317,6 +345,9 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
             for p, ((_, queue), tracker) in enumerate(zip(queues, trackers)):
                 while True:
                     out = await queue.get()
+                    if isinstance(out, api.ApiError):  # the engine failed as a whole: an error event ends it
+                        yield api.sse(out.body())
+                        return
                     tracker.update(out)
                     for c in out.outputs:
                         index = p * n + c.index
@@ -370,7 +401,10 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
                     loop.abort(rid)
         if not outputs.done() or outputs.cancelled():
             return Response(status_code=499)  # nobody reads it
-        outputs = outputs.result()
+        try:
+            outputs = outputs.result()
+        except api.ApiError as e:  # the engine failed as a whole (EngineLoop.fail)
+            return error(e)
         failed = [o for o in outputs if o.error is not None]
         if failed:
             return error(api.ApiError(f"the request failed in the engine: {failed[0].error}", status=500,
@@ -416,6 +450,8 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
             while engine.has_unfinished() and time.monotonic() < deadline + 10:
                 await asyncio.sleep(0.05)
             loop.stop()
+            if on_stop is not None:
+                on_stop()
             logger.info("jpaged stopped: %s", f"{state['aborted']} request(s) past the grace period were aborted"
                         if state["aborted"] else "every request finished")
 
@@ -441,17 +477,22 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig()):
         return JSONResponse(api.ApiError(message, status=exc.status_code).body(), status_code=exc.status_code,
                             headers=exc.headers)
 
+    def fail(message: str) -> int:
+        state["admitting"], state["failure"] = False, message
+        return loop.fail(message)
+
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.engine, app.state.loop, app.state.metrics, app.state.admission = engine, loop, metrics, state
+    app.state.fail = fail
     return app
 
 
-def serve(engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+def serve(engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, *, app=None) -> None:
     """Serves until SIGTERM or SIGINT: then admission stops, running requests have the grace period
-    to finish, and the rest are aborted."""
+    to finish, and the rest are aborted. `app`: `build_app(engine, config, ...)` made already."""
     import uvicorn
 
-    app = build_app(engine, config)
+    app = app if app is not None else build_app(engine, config)
 
     state = app.state.admission
 
