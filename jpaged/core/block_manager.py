@@ -21,6 +21,12 @@ Invariants (`check_invariants` asserts them all):
   same logical index, with the same number of filled slots, in every table that names it (so slots
   shared by two sequences hold the same token prefix).
 - Prefix cache: block hash <-> block id is one-to-one, and only full blocks are cached.
+- Lookahead slots (speculative decoding: `append(..., lookahead=k)`, `commit_lookahead`): a running
+  sequence of n tokens may hold k slots past them for one step, its table then ceil((n + k) /
+  block_size) entries; the blocks only they need are its own (refcount 1, never cached). Draft
+  tokens are not tokens: they enter the sequence (and its hash chain) only when `commit_lookahead`
+  accepts them, and it gives back the slots left over. A sequence with lookahead slots is not
+  forked, swapped out or appended to before that.
 - Uncomputed blocks (a prompt prefilled in chunks: `allocate(num_computed=...)`, `cache_computed`):
   a sequence's last full blocks whose K/V no step scheduled so far writes are not in the prefix
   cache yet (their hashes wait in the sequence); such a sequence is running, and is not forked,
@@ -71,7 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from jpaged.core.kv_cache_manager import (NULL_BLOCK_ID, DeviceOps, KVCacheSpec, OutOfBlocksError, SeqId,
@@ -92,6 +98,7 @@ class _Seq(NamedTuple):
     partial_token_ids: tuple[int, ...] = ()  # prefix caching: the partly filled last block's tokens
     num_null: int = 0  # sliding window: leading entries released (NULL_BLOCK_ID, naming no block)
     uncomputed: tuple[BlockHash, ...] = ()  # prefix caching: hashes of the last full blocks, not yet computed
+    num_lookahead: int = 0  # slots held past the tokens, for draft tokens (speculative decoding)
 
     @property
     def live(self) -> tuple[int, ...]:
@@ -212,11 +219,11 @@ class BlockManager:
         return self.slot_mapping(seq_id, position, position + 1)[0]
 
     def slot_mapping(self, seq_id: SeqId, start: int, end: int) -> list[int]:
-        """Device slots of positions [start, end) of a running sequence."""
+        """Device slots of positions [start, end) of a running sequence (its lookahead slots included)."""
         seq, bs = self._seq(seq_id, swapped=False), self.block_size
-        if not 0 <= start <= end <= seq.num_tokens:
+        if not 0 <= start <= end <= seq.num_tokens + seq.num_lookahead:
             raise IndexError(f"positions [{start}, {end}) out of range for sequence {seq_id!r} "
-                             f"of {seq.num_tokens} tokens")
+                             f"of {seq.num_tokens} tokens and {seq.num_lookahead} lookahead slots")
         return slot_ids(seq.block_ids, start, end, bs)
 
     def refcount(self, block_id: int) -> int:
@@ -236,18 +243,19 @@ class BlockManager:
         bs = self.block_size
         return sum(blocks_for(len(ids), bs) for ids in token_ids) + reserve <= self.num_free_blocks
 
-    def num_blocks_to_append(self, seq_ids: Sequence[SeqId]) -> int:
-        """Blocks one `append` of one token to each sequence takes: a new block when the last is
-        full; a copy when it is shared, except for the last of its holders to write; less the
-        blocks its sliding-window releases free (a block only when all its holders are among these
+    def num_blocks_to_append(self, seq_ids: Sequence[SeqId], *, lookahead: int = 0) -> int:
+        """Blocks one `append` of one token to each sequence takes (with `lookahead` slots past it
+        each): a new block when the last is full, and the blocks the lookahead slots need; a copy
+        when the last is shared, except for the last of its holders to write; less the blocks its
+        sliding-window releases free (a block only when all its holders are among these
         sequences), never below 0."""
         check_unique(seq_ids)
         num_new, writers, releases = 0, Counter(), Counter()
+        bs = self.block_size
         for seq_id in seq_ids:
             seq = self._seq(seq_id, swapped=False)
-            if seq.num_tokens % self.block_size == 0:
-                num_new += 1
-            else:
+            num_new += blocks_for(seq.num_tokens + 1 + lookahead, bs) - blocks_for(seq.num_tokens, bs)
+            if seq.num_tokens % bs:
                 writers[seq.block_ids[-1]] += 1
             releases.update(seq.block_ids[seq.num_null:self.num_dead_blocks(seq.num_tokens)])
         num_copies = sum(min(k, self.refcount(b) - 1) for b, k in writers.items())
@@ -358,13 +366,17 @@ class BlockManager:
         edit.seqs[seq_id] = seq._replace(uncomputed=seq.uncomputed[ready:])
         return edit.snapshot()
 
-    def append(self, appends: Sequence[tuple[SeqId, int]]) -> tuple[BlockManager, DeviceOps]:
+    def append(self, appends: Sequence[tuple[SeqId, int]], *,
+               lookahead: int | Mapping[SeqId, int] = 0) -> tuple[BlockManager, DeviceOps]:
         """One more token slot for each running sequence (for the token whose K/V is written
         this step), in order: a new block when the last is full; copy-on-write when the last
         block is shared (the copy goes to the sequence that appends first). With prefix caching,
         a block is cached the moment it becomes full. With a sliding window, every sequence's
         blocks that slid out of the window of its new token's query are released first (all
-        sequences' releases before any allocation; the module docstring)."""
+        sequences' releases before any allocation; the module docstring). `lookahead` (a count for
+        every sequence, or per sequence id): slots held past the new token for this step's draft
+        tokens, in new blocks of their own where the token's block has no room
+        (`commit_lookahead` ends them)."""
         check_unique([seq_id for seq_id, _ in appends])
         edit, bs, copy_pairs = _Edit(self), self.block_size, []
         if self.sliding_window is not None:
@@ -377,9 +389,9 @@ class BlockManager:
                         block_ids=(NULL_BLOCK_ID,) * num_null + seq.block_ids[num_null:], num_null=num_null)
         for seq_id, token_id in appends:
             seq = _checked(edit.seqs.get(seq_id), seq_id, swapped=False)
-            if seq.uncomputed:
-                raise ValueError(f"cannot append to sequence {seq_id!r}: {len(seq.uncomputed)} of its full "
-                                 "blocks are not computed yet (cache_computed)")
+            if seq.uncomputed or seq.num_lookahead:
+                raise ValueError(f"cannot append to sequence {seq_id!r}: it holds uncomputed blocks "
+                                 "(cache_computed) or lookahead slots (commit_lookahead)")
             block_ids, parent, partial = seq.block_ids, seq.parent_hash, seq.partial_token_ids
             if seq.num_tokens % bs == 0:
                 block_ids += (edit.allocate_block(),)
@@ -391,9 +403,36 @@ class BlockManager:
                 partial += (token_id,)
                 if len(partial) == bs:
                     parent, partial = edit.cache((parent, partial), block_ids[-1]), ()
+            k = lookahead if isinstance(lookahead, int) else lookahead.get(seq_id, 0)
+            for _ in range(blocks_for(seq.num_tokens + 1 + k, bs) - len(block_ids)):
+                block_ids += (edit.allocate_block(),)
             edit.seqs[seq_id] = seq._replace(block_ids=block_ids, num_tokens=seq.num_tokens + 1,
-                                             parent_hash=parent, partial_token_ids=partial)
+                                             parent_hash=parent, partial_token_ids=partial, num_lookahead=k)
         return edit.snapshot(), DeviceOps(copy_pairs=tuple(copy_pairs))
+
+    def commit_lookahead(self, seq_id: SeqId, token_ids: Sequence[int]) -> BlockManager:
+        """Ends a sequence's lookahead slots: the first len(token_ids) of them now hold these tokens
+        (draft tokens accepted: they join the sequence, and with prefix caching its hash chain, a
+        block entering the cache when it becomes full), and the blocks only the others needed go
+        back to the free list (rejected draft tokens leave nothing behind)."""
+        seq = self._seq(seq_id, swapped=False)
+        if len(token_ids) > seq.num_lookahead:
+            raise ValueError(f"cannot commit {len(token_ids)} tokens to sequence {seq_id!r}: it holds "
+                             f"{seq.num_lookahead} lookahead slots")
+        edit, bs = _Edit(self), self.block_size
+        parent, partial, n = seq.parent_hash, seq.partial_token_ids, seq.num_tokens
+        for token_id in token_ids:
+            n += 1
+            if self.enable_prefix_caching:
+                partial += (token_id,)
+                if len(partial) == bs:
+                    parent, partial = edit.cache((parent, partial), seq.block_ids[(n - 1) // bs]), ()
+        keep = blocks_for(n, bs)
+        for block_id in reversed(seq.block_ids[keep:]):
+            edit.release(block_id)
+        edit.seqs[seq_id] = seq._replace(block_ids=seq.block_ids[:keep], num_tokens=n, parent_hash=parent,
+                                         partial_token_ids=partial, num_lookahead=0)
+        return edit.snapshot()
 
     def fork(self, parent_seq_id: SeqId, child_seq_id: SeqId) -> BlockManager:
         """The child shares all of the parent's blocks (refcount + 1 each), in either pool, and
@@ -402,9 +441,9 @@ class BlockManager:
             raise ValueError(f"cannot fork {parent_seq_id!r} into {child_seq_id!r}: "
                              f"{child_seq_id!r} already exists")
         seq = self._seq(parent_seq_id)
-        if seq.uncomputed:
-            raise ValueError(f"cannot fork {parent_seq_id!r}: {len(seq.uncomputed)} of its full blocks are "
-                             "not computed yet (cache_computed)")
+        if seq.uncomputed or seq.num_lookahead:
+            raise ValueError(f"cannot fork {parent_seq_id!r}: it holds uncomputed blocks (cache_computed) or "
+                             "lookahead slots (commit_lookahead)")
         edit = _Edit(self)
         refcounts = edit.cpu_refcounts if seq.swapped else edit.refcounts
         for block_id in seq.live:
@@ -448,9 +487,9 @@ class BlockManager:
         edit, moved = _Edit(self), {}  # source block id -> destination block id
         for seq_id in seq_ids:
             seq = _checked(edit.seqs.get(seq_id), seq_id, swapped=not to_cpu)
-            if seq.uncomputed:
-                raise ValueError(f"cannot swap out sequence {seq_id!r}: {len(seq.uncomputed)} of its full "
-                                 "blocks are not computed yet (cache_computed)")
+            if seq.uncomputed or seq.num_lookahead:
+                raise ValueError(f"cannot swap out sequence {seq_id!r}: it holds uncomputed blocks "
+                                 "(cache_computed) or lookahead slots (commit_lookahead)")
             for block_id in seq.live:
                 if block_id in moved:
                     edit.acquire(moved[block_id], cpu=to_cpu)
@@ -469,8 +508,15 @@ class BlockManager:
         bs, entries = self.block_size, {False: Counter(), True: Counter()}
         fill = {}  # (swapped, block id) -> (logical index, filled slots)
         for seq_id, seq in self._seqs.to_dict().items():
-            assert seq.num_tokens >= 1 and len(seq.block_ids) == blocks_for(seq.num_tokens, bs), (
-                f"sequence {seq_id!r}: {seq.num_tokens} tokens in {len(seq.block_ids)} blocks")
+            held = seq.num_tokens + seq.num_lookahead
+            assert seq.num_tokens >= 1 and len(seq.block_ids) == blocks_for(held, bs), (
+                f"sequence {seq_id!r}: {seq.num_tokens} tokens and {seq.num_lookahead} lookahead slots in "
+                f"{len(seq.block_ids)} blocks")
+            assert not (seq.num_lookahead and (seq.swapped or seq.uncomputed)), (
+                f"sequence {seq_id!r}: lookahead slots while swapped out or uncomputed")
+            for block_id in seq.block_ids[blocks_for(seq.num_tokens, bs):]:
+                assert self.refcount(block_id) == 1 and not self.is_cached(block_id), (
+                    f"sequence {seq_id!r}: lookahead block {block_id} shared or cached")
             assert 0 <= seq.num_null <= self.num_dead_blocks(seq.num_tokens - 1), (
                 f"sequence {seq_id!r} of {seq.num_tokens} tokens released {seq.num_null} leading "
                 f"blocks, at most {self.num_dead_blocks(seq.num_tokens - 1)} are dead")

@@ -153,20 +153,25 @@ class PartitionedBlockManager:
         part, num_cached = self.partitions[rank].allocate(seq_id, token_ids, num_computed=num_computed)
         return self._with({rank: part}, {**self._rank_map, seq_id: rank}), num_cached
 
+    def commit_lookahead(self, seq_id: SeqId, token_ids: Sequence[int]) -> PartitionedBlockManager:
+        rank, part = self._part(seq_id)
+        return self._with({rank: part.commit_lookahead(seq_id, token_ids)})
+
     def cache_computed(self, seq_id: SeqId, num_computed: int) -> PartitionedBlockManager:
         rank, part = self._part(seq_id)
         return self._with({rank: part.cache_computed(seq_id, num_computed)})
 
-    def num_blocks_to_append(self, seq_ids: Sequence[SeqId]) -> int:
-        return sum(self.partitions[r].num_blocks_to_append(ids) for r, ids in self._by_rank(seq_ids).items())
+    def num_blocks_to_append(self, seq_ids: Sequence[SeqId], *, lookahead: int = 0) -> int:
+        return sum(self.partitions[r].num_blocks_to_append(ids, lookahead=lookahead)
+                   for r, ids in self._by_rank(seq_ids).items())
 
-    def append(self, appends: Sequence[tuple[SeqId, int]]):
+    def append(self, appends: Sequence[tuple[SeqId, int]], *, lookahead=0):
         ranks, by_rank = self._rank_map, {}
         for seq_id, token in appends:
             by_rank.setdefault(ranks[seq_id], []).append((seq_id, token))
         updates, ops = {}, DeviceOps()
         for rank, items in sorted(by_rank.items()):
-            updates[rank], part_ops = self.partitions[rank].append(items)
+            updates[rank], part_ops = self.partitions[rank].append(items, lookahead=lookahead)
             ops += self._global(rank, part_ops)
         return self._with(updates), ops
 

@@ -56,7 +56,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Optional, Sequence as Seq
+from typing import Callable, Optional, Sequence as Seq
 
 from jpaged.core.kv_cache_manager import DeviceOps, KVCacheManager, SwappingKVCacheManager, cache_computed
 from jpaged.core.sequence import GroupStatus, Sequence, SequenceGroup
@@ -77,6 +77,9 @@ class SchedulerConfig:
     enable_chunked_prefill: the ragged policy (True) or the paper's prefill-first one (False).
     long_prefill_token_threshold: the most tokens of one prompt a ragged step computes (0: no cap
       but the budget), so that several long prompts progress together.
+    num_speculative_tokens: draft tokens a decoding sequence may verify in a step (speculative
+      decoding; 0: none), as the scheduler's `draft` callable proposes them, within the blocks left
+      once every sequence has its next token's and the token budget (drafts never preempt).
     """
 
     max_num_seqs: int = 256
@@ -85,6 +88,7 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of blocks kept free at admission, against immediate preemption
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
         if not (isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1):
@@ -95,6 +99,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
         if not (isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1):
             raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
+        if not (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 0):
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
         if not (isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0):
             raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0: no cap), got "
                              f"{self.long_prefill_token_threshold!r}")
@@ -123,6 +129,10 @@ class SchedulerOutput:
     ops: DeviceOps
     preempted: list[SequenceGroup]
     finished: list[SequenceGroup]  # groups the scheduler ended (could not grow alone)
+    # speculative decoding: seq_id -> (the row of its last token, its draft tokens); draft j sits in row
+    # `row + 1 + j` (a row of one token whose logits verify it; `row_seqs` empty), at the lookahead slot
+    # after the sequence's tokens. A sequence's new tokens: `commit_drafts` once verified.
+    drafts: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -130,12 +140,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: KVCacheManager, config: SchedulerConfig):
+    """See the module docstring. `draft(group, seq, k)`: at most k draft tokens for a decoding
+    sequence (speculative decoding, with `num_speculative_tokens` > 0; the engine's proposer)."""
+
+    def __init__(self, block_manager: KVCacheManager, config: SchedulerConfig,
+                 draft: Optional[Callable[[SequenceGroup, Sequence, int], list[int]]] = None):
         if config.preemption_mode == "swap" and not isinstance(block_manager, SwappingKVCacheManager):
             raise ValueError(f"{type(block_manager).__name__} has no CPU swap space: use "
                              "preemption_mode='recompute'")
         self.block_manager = block_manager
         self.config = config
+        self.draft = draft
         self.waiting: collections.deque[SequenceGroup] = collections.deque()
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
@@ -467,16 +482,62 @@ class Scheduler:
             scheduled += resumed
             ops += swap_ops
         decoding = [g for g in scheduled if not g.num_computed_tokens]
+        drafts = self._propose(decoding, free)
         appends = [(s.seq_id, s.last_token_id) for g in decoding for s in g.live_seqs]
         if appends:
-            self.block_manager, append_ops = self.block_manager.append(appends)
+            self.block_manager, append_ops = self.block_manager.append(
+                appends, **({"lookahead": {i: len(d) for i, d in drafts.items()}} if drafts else {}))
             ops += append_ops
-        rows, row_seqs = [], []
+        rows, row_seqs, spec = [], [], {}
         for group in decoding:
             for seq in group.live_seqs:
+                if seq.seq_id in drafts:
+                    spec[seq.seq_id] = (len(rows), drafts[seq.seq_id])
                 rows.append(self._row(seq, seq.num_tokens - 1, seq.num_tokens))
                 row_seqs.append([seq])
-        return SchedulerOutput(True, rows, row_seqs, scheduled, ops, preempted, finished)
+                for j, token in enumerate(drafts.get(seq.seq_id, ())):  # at the lookahead slots
+                    position = seq.num_tokens + j
+                    rows.append(Row(token_ids=[token], start_position=position,
+                                    slots=self.block_manager.slot_mapping(seq.seq_id, position, position + 1),
+                                    block_table=self.block_manager.block_table(seq.seq_id)))
+                    row_seqs.append([])
+        return SchedulerOutput(True, rows, row_seqs, scheduled, ops, preempted, finished, spec)
+
+    def _propose(self, decoding: list[SequenceGroup], free: list[int]) -> dict[int, list[int]]:
+        """Draft tokens for the decoding sequences (speculative decoding), in arrival order, while the
+        blocks left in their partition (`free`, after every sequence's next token) and the token
+        budget (after every decode token) hold them. Beam-search groups draft nothing."""
+        k = self.config.num_speculative_tokens
+        if not (k and self.draft):
+            return {}
+        budget = self.config.max_num_batched_tokens - sum(len(g.live_seqs) for g in decoding)
+        drafts = {}
+        for group in decoding:
+            if group.params.use_beam_search:
+                continue
+            rank = self._rank(group)
+            for seq in group.live_seqs:
+                tokens = list(self.draft(group, seq, min(k, budget)))[:max(0, min(k, budget))]
+                if not tokens:
+                    continue
+                ids = [seq.seq_id]
+                extra = (self.block_manager.num_blocks_to_append(ids, lookahead=len(tokens))
+                         - self.block_manager.num_blocks_to_append(ids))
+                if extra > free[rank]:
+                    continue
+                free[rank] -= extra
+                budget -= len(tokens)
+                drafts[seq.seq_id] = tokens
+        return drafts
+
+    def commit_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After a step that verified `seq`'s drafts: its first `num_accepted` drafts are its tokens
+        now (the engine appended them, and the token sampled after them), the rest of its lookahead
+        slots go back. A sequence that finished in the step has given back everything already."""
+        if self.block_manager.has(seq.seq_id):
+            start = seq.num_tokens - 1 - num_accepted
+            self.block_manager = self.block_manager.commit_lookahead(
+                seq.seq_id, seq.token_ids[start:start + num_accepted])
 
     def _swap_in(self, free: list[int]) -> tuple[list[SequenceGroup], DeviceOps]:
         """Brings swapped groups back (FCFS) while their blocks plus one more token each fit in their

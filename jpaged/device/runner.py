@@ -67,6 +67,7 @@ class SampleRow:
     seed: int
     sample_index: int
     step: int
+    draft: int = -1  # speculative decoding: the draft token this row verifies (-1: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -455,19 +456,20 @@ class ModelRunner:
         dtypes = {"temperature": np.float32, "top_p": np.float32, "seed": np.uint32}
         columns = {f.name: np.zeros(size, dtypes.get(f.name, np.int32)) for f in dataclasses.fields(SampleRow)}
         columns["top_p"][:] = 1.0
+        columns["draft"][:] = -1
         for i, r in enumerate(rows):
             for name in columns:
                 columns[name][i] = getattr(r, name)
         params = SamplingInputs(temperature=columns["temperature"], top_k=columns["top_k"], top_p=columns["top_p"],
                                 seed=columns["seed"], sample_index=columns["sample_index"],
-                                step=columns["step"])
+                                step=columns["step"], draft=columns["draft"])
         use_filter = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0) for r in rows)
         use_random = any(r.temperature > 0 for r in rows)
         out = jax.device_get(self._run("sample", logits, columns["row"], params, num_top=num_top,
                                        use_filter=use_filter, use_random=use_random))
         k = len(rows)
         return {"token_ids": out.token_ids[:k], "logprobs": out.logprobs[:k],
-                "top_ids": out.top_ids[:k], "top_logprobs": out.top_logprobs[:k]}
+                "top_ids": out.top_ids[:k], "top_logprobs": out.top_logprobs[:k], "accepted": out.accepted[:k]}
 
     # ---- block operations --------------------------------------------------------------------
 
@@ -576,7 +578,8 @@ class ModelRunner:
         for rows in bucket_values(1, shapes.max_num_seqs, row_bucket):  # every logits row count of a step
             params = SamplingInputs(temperature=sds([rows], np.float32), top_k=sds([rows], np.int32),
                                     top_p=sds([rows], np.float32), seed=sds([rows], np.uint32),
-                                    sample_index=sds([rows], np.int32), step=sds([rows], np.int32))
+                                    sample_index=sds([rows], np.int32), step=sds([rows], np.int32),
+                                    draft=sds([rows], np.int32))
             for top in shapes.top_buckets():
                 for use_filter, use_random in _SAMPLE_MODES:
                     jobs.append(("sample", (sds([rows, vocab], np.float32, logits_sharding), sds([rows], np.int32),

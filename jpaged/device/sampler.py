@@ -1,15 +1,24 @@
-"""Token sampling on the device: greedy, temperature, top-k, top-p, seeded per (seed, sample, step).
+"""Token sampling on the device: greedy, temperature, top-k, top-p, seeded per (seed, sample, step),
+and the verification of draft tokens (speculative decoding).
 
 Every row carries its own seed: the token at output step t of sample i of a request is drawn with
 the key `fold_in(key(seed + i), t)`, so it never depends on what else shares the batch or on how
 often the request was preempted, and sample i of a request with seed s draws exactly the tokens of
 a single-sample request with seed s + i. Log-probabilities are those of the model's raw
 distribution (log_softmax of the logits, before temperature and filtering), as vLLM reports them.
+
+Draft verification (`SamplingInputs.draft` >= 0: the row's logits score a proposed token d, a point
+mass, `jpaged.core.proposer`): greedy rows accept d when it is the argmax (and give the argmax);
+random rows accept d with probability p(d) under the row's filtered, tempered distribution p (a
+uniform drawn with `fold_in(key, 1)`), else draw from p with d removed and renormalized (the row's
+own key), so the token emitted follows p exactly (standard speculative sampling with q = the point
+mass on d). Rows without a draft draw exactly as they would without speculation.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +30,8 @@ class SamplingInputs:
     """Per-row sampling settings, padded to the batch bucket.
 
     temperature f32[B] (0 = greedy), top_k i32[B] (0 = off), top_p f32[B] (1 = off),
-    seed u32[B], sample_index i32[B], step i32[B] (output tokens the sample already has).
+    seed u32[B], sample_index i32[B], step i32[B] (output tokens the sample already has),
+    draft i32[B] (the draft token the row verifies, -1: none; None: no row has one).
     """
 
     temperature: jax.Array
@@ -30,16 +40,19 @@ class SamplingInputs:
     seed: jax.Array
     sample_index: jax.Array
     step: jax.Array
+    draft: Optional[jax.Array] = None
 
 
 @struct.dataclass
 class SamplerOutput:
-    """token_ids i32[B], logprobs f32[B] (of the chosen token), top_ids i32[B, K], top_logprobs f32[B, K]."""
+    """token_ids i32[B], logprobs f32[B] (of the chosen token), top_ids i32[B, K], top_logprobs f32[B, K],
+    accepted bool[B] (the row's draft was accepted: token_ids is the draft)."""
 
     token_ids: jax.Array
     logprobs: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
+    accepted: jax.Array
 
 
 def row_key(seed, sample_index, step):
@@ -131,14 +144,26 @@ def sample(logits, rows, params: SamplingInputs, *, num_top: int = 1, use_filter
         return (values - row_max[at]) - log_norm[at]
 
     token_ids = argmax[rows]
+    draft = jnp.full(rows.shape, -1, jnp.int32) if params.draft is None else params.draft
+    has_draft = draft >= 0
+    accepted = has_draft & (token_ids == draft)  # greedy
     if use_random:
         temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
         scaled = logits[rows] / temperature[:, None]
         if use_filter:
             scaled = filter_top_k_top_p(scaled, params.top_k, params.top_p)
         keys = jax.vmap(row_key)(params.seed, params.sample_index, params.step)
-        drawn = jax.vmap(draw)(keys, scaled)
+        draft = jnp.maximum(draft, 0)
+        p_draft = jnp.take_along_axis(jax.nn.softmax(scaled, axis=-1), draft[:, None], axis=-1)[:, 0]
+        u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys)
+        accept = has_draft & (u < p_draft)
+        # a rejected draft: p without it (rows without a draft keep p, and draw as without speculation)
+        removed = has_draft[:, None] & (jnp.arange(scaled.shape[-1])[None, :] == draft[:, None])
+        residual = jnp.where(removed, -jnp.inf, scaled)
+        residual = jnp.where(jnp.isfinite(residual).any(axis=-1, keepdims=True), residual, scaled)
+        drawn = jnp.where(accept, draft, jax.vmap(draw)(keys, residual))
         token_ids = jnp.where(params.temperature > 0, drawn, token_ids)
+        accepted = jnp.where(params.temperature > 0, accept, accepted)
     token_ids = token_ids.astype(jnp.int32)
     chosen = logprob(logits[rows, token_ids], rows)
     if num_top:  # per logits row, then per sample row; the top 1 is the argmax (lax.top_k also puts
@@ -149,4 +174,4 @@ def sample(logits, rows, params: SamplingInputs, *, num_top: int = 1, use_filter
     else:
         top_ids, top_logprobs = jnp.zeros((rows.shape[0], 0), jnp.int32), jnp.zeros((rows.shape[0], 0))
     return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids.astype(jnp.int32),
-                         top_logprobs=top_logprobs)
+                         top_logprobs=top_logprobs, accepted=accepted)

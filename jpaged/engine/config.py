@@ -9,6 +9,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jpaged.core.proposer import make_proposer
 from jpaged.core.scheduler import SchedulerConfig
 from jpaged.device.attention import BACKENDS
 from jpaged.device.kv_cache import parse_memory_size
@@ -36,6 +37,11 @@ class EngineConfig:
       prompts in chunks (True, as in vLLM v1), or the paper's prefill-first steps (False);
       long_prefill_token_threshold caps one prompt's tokens in a step (0: none). See
       `jpaged.core.scheduler`.
+    speculative_method: None, or 'ngram' (prompt lookup, `jpaged.core.proposer`): each decoding
+      sequence proposes up to `num_speculative_tokens` draft tokens a step, verified in that step
+      with exact acceptance (greedy: the target's argmax tokens; sampled: the target distribution);
+      `prompt_lookup_min` / `prompt_lookup_max` bound the n-gram matched. Beam-search requests
+      draft nothing.
     preemption_mode: 'recompute' or 'swap' (into `swap_space` GiB of CPU blocks, as in vLLM).
     watermark: the fraction of the pool kept free when admitting a request while others run,
       against preempting right after admission.
@@ -65,6 +71,10 @@ class EngineConfig:
     max_num_batched_tokens: Optional[int] = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    speculative_method: Optional[str] = None
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
     preemption_mode: str = "recompute"
     swap_space: float = 0.0
     watermark: float = 0.01
@@ -115,6 +125,21 @@ class EngineConfig:
             make_mesh(tp, dp)  # raises the one-line error: more devices asked for than exist
         # the scheduler's settings, checked now, before any model is loaded
         self.scheduler_config(1)
+        if self.speculative_method is not None:
+            make_proposer(self.speculative_method, prompt_lookup_min=self.prompt_lookup_min,
+                          prompt_lookup_max=self.prompt_lookup_max)
+            if self.num_speculative_tokens < 1:
+                raise ValueError("speculative decoding needs num_speculative_tokens >= 1 (--num-speculative-tokens "
+                                 f"K), got {self.num_speculative_tokens!r}")
+        elif self.num_speculative_tokens:
+            raise ValueError("num_speculative_tokens needs a speculative_method (--speculative-method ngram)")
+
+    def proposer(self):
+        """The speculative-decoding proposer (`jpaged.core.proposer`), or None."""
+        if self.speculative_method is None:
+            return None
+        return make_proposer(self.speculative_method, prompt_lookup_min=self.prompt_lookup_min,
+                             prompt_lookup_max=self.prompt_lookup_max)
 
     def scheduler_config(self, default_batched_tokens: int) -> SchedulerConfig:
         """The scheduler's settings (`max_num_batched_tokens` when None: `default_batched_tokens`)."""
@@ -123,7 +148,8 @@ class EngineConfig:
             max_num_batched_tokens=(default_batched_tokens if self.max_num_batched_tokens is None
                                     else self.max_num_batched_tokens),
             enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold)
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            num_speculative_tokens=self.num_speculative_tokens if self.speculative_method else 0)
 
     def layout(self) -> tuple[Optional[ShardingStrategy], Optional[jax.sharding.Mesh]]:
         """(strategy, mesh) the runner lays the model and the pool out with, or (None, None): one device."""

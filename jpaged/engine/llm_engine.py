@@ -132,7 +132,13 @@ class LLMEngine:
         factory = kv_cache_manager or BlockManager.from_spec
         if parts > 1:
             factory = functools.partial(PartitionedBlockManager.from_spec, num_partitions=parts)
-        self.scheduler = Scheduler(factory(self.kv_cache_spec), scheduler_config)
+        self.proposer = config.proposer()  # speculative decoding's (None: off)
+        self.scheduler = Scheduler(factory(self.kv_cache_spec), scheduler_config,
+                                   draft=self._draft if self.proposer is not None else None)
+        # speculative decoding: drafts proposed and accepted, and accepted by position (1st draft, 2nd, ...)
+        self.spec_counts = {"num_proposed": 0, "num_accepted": 0,
+                            "accepted_by_position": [0] * config.num_speculative_tokens,
+                            "proposed_by_position": [0] * config.num_speculative_tokens}
         if runner is None:
             on_cpu = jax.default_backend() == "cpu"
             runner = ModelRunner(model_config, to_storage(self.model.params) if on_cpu else self.model.params,
@@ -182,7 +188,9 @@ class LLMEngine:
         width = blocks_for(length, spec.block_size)
         if spec.sliding_window is None:
             width = min(width, spec.num_blocks // self.num_partitions - 1)
-        return dict(max_num_seqs=scheduler_config.max_num_seqs, max_prefill_tokens=tokens, max_model_len=length,
+        # speculative decoding: a decoding sequence's rows are its last token and its drafts
+        rows = scheduler_config.max_num_seqs * (1 + scheduler_config.num_speculative_tokens)
+        return dict(max_num_seqs=rows, max_prefill_tokens=tokens, max_model_len=length,
                     max_width=width,
                     prefix_caching=spec.enable_prefix_caching or scheduler_config.enable_chunked_prefill)
 
@@ -373,22 +381,30 @@ class LLMEngine:
         logits = self.runner.run_step(inputs, decode=out.is_decode)
         group_of = {s.seq_id: g for g in out.groups for s in g.seqs}
         sample_rows, targets = [], []
+        verify = {}  # speculative decoding: seq_id -> its drafts (sampled in the rows after its own)
         for row, seqs in enumerate(out.row_seqs):
             for seq in seqs:
                 group = group_of[seq.seq_id]
                 p = group.params
                 temperature = 0.0 if p.use_beam_search else p.temperature
-                sample_rows.append(SampleRow(row, temperature, p.top_k, p.top_p, group.seed, seq.sample_index,
-                                             len(seq.output_token_ids)))
+                step, drafts = len(seq.output_token_ids), out.drafts.get(seq.seq_id, (row, []))[1]
+                for j in range(len(drafts) + 1):  # row + j's logits verify draft j (the last: a bonus token)
+                    sample_rows.append(SampleRow(row + j, temperature, p.top_k, p.top_p, group.seed,
+                                                 seq.sample_index, step + j, drafts[j] if j < len(drafts) else -1))
+                if drafts:
+                    verify[seq.seq_id] = drafts
                 targets.append(seq)
         if not sample_rows:  # every row a chunk of a prompt that goes on in a later step
             return inputs.shape_key, int(inputs.token_ids.shape[0]), 0
         num_top = max(g.params.num_top_logprobs for g in out.groups)
         samples = self.runner.sample(logits, sample_rows, num_top, shapes=self.shapes)
         now = time.monotonic()
+        num_sampled = len(targets)  # tokens appended: one per sequence, one more per accepted draft
         by_group: dict[str, list[tuple[Sequence, int]]] = collections.defaultdict(list)
-        for i, seq in enumerate(targets):
+        i = 0
+        for seq in targets:  # each sequence's first sample, its drafts' after it
             by_group[group_of[seq.seq_id].request_id].append((seq, i))
+            i += 1 + len(verify.get(seq.seq_id, ()))
         for group in out.groups:
             entries = by_group[group.request_id]
             if not entries:
@@ -400,18 +416,51 @@ class LLMEngine:
                                         for seq, i in entries])
             else:
                 for seq, i in entries:
-                    token, logprob, top = int(samples["token_ids"][i]), float(samples["logprobs"][i]), None
-                    if group.params.logprobs is not None:  # the k most likely tokens, and the one chosen
-                        k = group.params.logprobs
-                        top = dict(zip(samples["top_ids"][i][:k].tolist(), samples["top_logprobs"][i][:k].tolist()))
-                        top.setdefault(token, logprob)
-                    seq.append_token(token, logprob, top)
-                    reason = self._stop_reason(group, seq)
-                    if reason is not None:
-                        self.scheduler.finish_seq(seq, reason)
+                    drafts = verify.get(seq.seq_id, ())
+                    for j in range(len(drafts) + 1):  # the accepted drafts, then one token drawn
+                        num_sampled += j > 0
+                        if not self._append_sample(group, seq, samples, i + j):
+                            break  # the sequence stopped
+                        if j == len(drafts) or not samples["accepted"][i + j]:
+                            break
+                    if drafts:  # rejected drafts' slots go back (all of them, had the sequence stopped)
+                        num_accepted = sum(1 for _ in itertools.takewhile(bool, samples["accepted"][i:i + len(drafts)]))
+                        self._count_drafts(len(drafts), num_accepted)
+                        self.scheduler.commit_drafts(seq, num_accepted)
             if not group.live_seqs:
                 self.scheduler.finish_group(group)
-        return inputs.shape_key, int(inputs.token_ids.shape[0]), len(targets)
+        return inputs.shape_key, int(inputs.token_ids.shape[0]), num_sampled
+
+    def _append_sample(self, group: SequenceGroup, seq: Sequence, samples: dict, i: int) -> bool:
+        """Appends sample `i` to `seq` (with its log-probabilities as asked); False when the sequence
+        stopped with it (and was finished)."""
+        token, logprob, top = int(samples["token_ids"][i]), float(samples["logprobs"][i]), None
+        if group.params.logprobs is not None:  # the k most likely tokens, and the one chosen
+            k = group.params.logprobs
+            top = dict(zip(samples["top_ids"][i][:k].tolist(), samples["top_logprobs"][i][:k].tolist()))
+            top.setdefault(token, logprob)
+        seq.append_token(token, logprob, top)
+        reason = self._stop_reason(group, seq)
+        if reason is not None:
+            self.scheduler.finish_seq(seq, reason)
+            return False
+        return True
+
+    def _draft(self, group: SequenceGroup, seq: Sequence, num_tokens: int) -> list[int]:
+        """The scheduler's draft callable: the proposer's drafts for `seq`, at most `num_tokens`, no more
+        than its request can still take (max_tokens: the token drawn after the drafts is one) and every
+        draft's position inside the context."""
+        room = min(num_tokens, group.params.max_tokens - len(seq.output_token_ids) - 1,
+                   self.max_model_len - seq.num_tokens)
+        return self.proposer.propose(seq.token_ids, room) if room > 0 else []
+
+    def _count_drafts(self, num_proposed: int, num_accepted: int) -> None:
+        counts = self.spec_counts
+        counts["num_proposed"] += num_proposed
+        counts["num_accepted"] += num_accepted
+        for j in range(num_proposed):
+            counts["proposed_by_position"][j] += 1
+            counts["accepted_by_position"][j] += j < num_accepted
 
     def _fail(self, out: SchedulerOutput, e: Exception) -> list[SequenceGroup]:
         """A step raised: the requests it ran fail with the error (their blocks come back); if the
@@ -570,7 +619,20 @@ class LLMEngine:
             "num_devices": len(self.runner.devices), "kv_head_replication": self.runner.kv_head_replication,
             "compile_seconds": self.runner.compile_seconds,
             "waiting": len(s.waiting), "running": len(s.running), "swapped": len(s.swapped),
+            "spec_decode": self._spec_stats(),
         }
+
+    def _spec_stats(self) -> Optional[dict]:
+        """Speculative decoding's counts: drafts proposed and accepted, the acceptance rate, and the rate at
+        each draft position (the j-th draft of a step is accepted only after the ones before it); None
+        when it is off."""
+        if self.proposer is None:
+            return None
+        c = self.spec_counts
+        return {"method": self.proposer.name, "num_proposed": c["num_proposed"], "num_accepted": c["num_accepted"],
+                "acceptance_rate": c["num_accepted"] / c["num_proposed"] if c["num_proposed"] else None,
+                "acceptance_rate_by_position": [a / p if p else None for a, p in
+                                                zip(c["accepted_by_position"], c["proposed_by_position"])]}
 
 
 def valid_text(text: str) -> str:

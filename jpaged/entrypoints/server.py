@@ -102,6 +102,10 @@ class Metrics:
                                        registry=r)
         self.batch = Histogram("jpaged_decode_batch_size", "Sequences in a decode step", registry=r,
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.drafts = Gauge("jpaged_spec_decode_draft_tokens", "Speculative decoding: draft tokens since the "
+                            "engine started, proposed and accepted", ["state"], registry=r)
+        self.draft_position = Gauge("jpaged_spec_decode_acceptance_rate", "Speculative decoding: the rate at "
+                                    "which the draft at each position is accepted", ["position"], registry=r)
 
     def observe_step(self, engine: LLMEngine, record) -> None:
         """A step observer: the queues, the pool, the decode batch."""
@@ -119,6 +123,13 @@ class Metrics:
             self.batch.observe(record.num_rows)
         self.compiles.inc(sum(c.compile_seconds > 0 for c in record.calls))
         self.compile_seconds.inc(record.compile_seconds)
+        spec = engine.spec_counts if engine.proposer is not None else None
+        if spec is not None:
+            self.drafts.labels("proposed").set(spec["num_proposed"])
+            self.drafts.labels("accepted").set(spec["num_accepted"])
+            for j, (a, p) in enumerate(zip(spec["accepted_by_position"], spec["proposed_by_position"])):
+                if p:
+                    self.draft_position.labels(str(j + 1)).set(a / p)
 
 
 class EngineLoop:
