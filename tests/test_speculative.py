@@ -14,7 +14,7 @@ import pytest
 
 from jpaged import SamplingParams
 from jpaged.core.block_manager import BlockManager
-from jpaged.core.proposer import NgramProposer, make_proposer
+from jpaged.core.proposer import NgramProposer, check_method
 from jpaged.device.sampler import SamplingInputs, sample
 
 
@@ -22,20 +22,20 @@ from jpaged.device.sampler import SamplingInputs, sample
 
 def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix():
     p = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
-    assert p.propose([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
-    assert p.propose([1, 2, 3, 9, 2, 3, 7, 2, 3], 2) == [7, 2]  # 2, 3 last seen before 7
-    assert p.propose([1, 2, 3, 9, 2, 3, 7, 2, 3], 5) == [7, 2, 3]  # no further than the sequence
-    assert p.propose([5, 6, 7], 2) == [] and p.propose([5], 2) == [] and p.propose([1, 2, 1], 0) == []
+    assert p.lookup([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
+    assert p.lookup([1, 2, 3, 9, 2, 3, 7, 2, 3], 2) == [7, 2]  # 2, 3 last seen before 7
+    assert p.lookup([1, 2, 3, 9, 2, 3, 7, 2, 3], 5) == [7, 2, 3]  # no further than the sequence
+    assert p.lookup([5, 6, 7], 2) == [] and p.lookup([5], 2) == [] and p.lookup([1, 2, 1], 0) == []
     # the longest suffix wins: 8, 1 matched (-> 5), not 1 alone (-> 9, its latest occurrence)
-    assert NgramProposer(1, 2).propose([8, 1, 5, 1, 9, 8, 1], 1) == [5]
-    assert NgramProposer(2, 2).propose([1, 9, 1], 1) == []  # shorter suffixes than min are not tried
+    assert NgramProposer(1, 2).lookup([8, 1, 5, 1, 9, 8, 1], 1) == [5]
+    assert NgramProposer(2, 2).lookup([1, 9, 1], 1) == []  # shorter suffixes than min are not tried
 
 
 def test_bad_proposer_settings_are_refused():
     with pytest.raises(ValueError, match="1 <= min <= max"):
         NgramProposer(3, 2)
-    with pytest.raises(ValueError, match="speculative_method must be one of 'ngram'"):
-        make_proposer("eagle")
+    with pytest.raises(ValueError, match="speculative_method must be one of 'ngram', 'draft-layers'"):
+        check_method("eagle")
 
 
 # ---- lookahead slots -------------------------------------------------------------------------------
@@ -240,3 +240,34 @@ def test_bad_speculative_settings_are_refused_before_loading(make_llm):
         make_llm(num_speculative_tokens=3)
     with pytest.raises(ValueError, match="speculative_method must be one of"):
         make_llm(speculative_method="medusa", num_speculative_tokens=3)
+
+
+def test_self_drafting_keeps_the_greedy_tokens_under_preemption_and_leaks_no_block(make_llm, copy_mix,
+                                                                                  plain_outputs):
+    llm = make_llm(num_blocks=18, speculative_method="draft-layers", num_speculative_tokens=2,
+                   speculative_draft_layers=24, watermark=0.0)
+    assert _run(llm, copy_mix) == plain_outputs
+    stats = llm.engine.stats()
+    assert stats["spec_decode"]["method"] == "draft-layers" and stats["spec_decode"]["num_accepted"] > 0
+    assert stats["num_preemptions"] > 0, "the pool was meant to be too small"
+    assert stats["num_free_blocks"] == llm.engine.num_blocks - 1
+    llm.engine.scheduler.block_manager.check_invariants()
+
+
+def test_the_warm_up_covers_speculative_steps(make_llm):
+    llm = make_llm(max_num_seqs=2, max_model_len=48, max_num_batched_tokens=32, num_blocks=8,
+                   speculative_method="draft-layers", num_speculative_tokens=2, speculative_draft_layers=4)
+    summary = llm.engine.warm_up()
+    assert summary.executables["draft_step"] == summary.executables["decode_step"] > 0
+    ids = [[5, 6, 7, 5, 6, 7, 5, 6], list(range(100, 125))]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.9, top_p=0.8, seed=1, ignore_eos=True)]
+    outs = llm.generate(ids, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 10]
+    assert llm.engine.stats()["spec_decode"]["num_proposed"] > 0
+    assert llm.engine.stats()["num_compilations_after_warm_up"] == 0
+
+
+def test_self_drafting_with_too_many_layers_is_refused(make_llm):
+    with pytest.raises(ValueError, match="fewer layers than the model's 30"):
+        make_llm(speculative_method="draft-layers", num_speculative_tokens=2, speculative_draft_layers=30)

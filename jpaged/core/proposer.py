@@ -6,8 +6,11 @@ last token and the drafts together (each a row of one token at a lookahead slot 
 accepts a prefix of the drafts and draws one more token (`jpaged.device.sampler`), and the block
 manager gives back the slots of the rejected ones (`commit_lookahead`).
 
-A proposer (`Proposer`) sees one sequence's tokens (prompt + generated) and returns at most
-`num_tokens` draft tokens, possibly none. Its proposals are deterministic (a point mass), which is
+A proposer (`Proposer`) is asked, once a step, for the drafts of every sequence granted lookahead
+slots (`DraftRequest`: the sequence, the most drafts it may take, and where the K/V of the draft
+inputs goes: a proposer that runs a model, such as self-drafting, `jpaged.engine.draft`, writes its
+layers' K/V there, and the verification rewrites them); it returns at most that many draft tokens per
+sequence, possibly none. Its proposals are deterministic (a point mass), which is
 what makes the sampler's acceptance rule exact: a draft d is accepted with the target's probability
 p(d), and a rejected position draws from p with d removed, so every emitted token follows the target
 distribution (Leviathan et al., 2023, with q = the point mass on d).
@@ -21,18 +24,31 @@ where the output copies its input (editing, summarizing, code).
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence as Seq
+from typing import Any, Protocol, Sequence as Seq
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftRequest:
+    """A decoding sequence's request for at most `num_tokens` drafts. The drafts' inputs are its last
+    token and then its drafts but the last, at positions num_tokens_before - 1, ... where
+    num_tokens_before = len(seq.token_ids); `slots[j]` is where input j's K/V goes (the last token's
+    slot, then the lookahead slots) and `block_table` the sequence's table, lookahead blocks included."""
+
+    seq: Any  # jpaged.core.sequence.Sequence
+    num_tokens: int
+    slots: tuple[int, ...]
+    block_table: tuple[int, ...]
+
+
 class Proposer(Protocol):
-    """Draft tokens for one sequence: at most `num_tokens`, deterministic in `token_ids`."""
+    """Draft tokens for each request: at most its `num_tokens`, deterministic in its sequence."""
 
     name: str
 
-    def propose(self, token_ids: Seq[int], num_tokens: int) -> list[int]: ...
+    def propose(self, requests: Seq[DraftRequest]) -> list[list[int]]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +65,11 @@ class NgramProposer:
             raise ValueError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, "
                              f"got {lo!r} and {hi!r}")
 
-    def propose(self, token_ids: Seq[int], num_tokens: int) -> list[int]:
+    def propose(self, requests: Seq[DraftRequest]) -> list[list[int]]:
+        return [self.lookup(r.seq.token_ids, r.num_tokens) for r in requests]
+
+    def lookup(self, token_ids: Seq[int], num_tokens: int) -> list[int]:
+        """At most `num_tokens` drafts for a sequence of these tokens."""
         tokens = np.asarray(token_ids, dtype=np.int64)
         n_total = len(tokens)
         if num_tokens <= 0 or n_total < 2:
@@ -64,12 +84,11 @@ class NgramProposer:
         return []
 
 
-SPECULATIVE_METHODS = ("ngram",)
+# "draft-layers": self-drafting, the served model's first layers as the draft (`jpaged.engine.draft`)
+SPECULATIVE_METHODS = ("ngram", "draft-layers")
 
 
-def make_proposer(method: str, *, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4) -> Proposer:
-    """The proposer of a `--speculative-method` (vLLM's names)."""
-    if method == "ngram":
-        return NgramProposer(prompt_lookup_min, prompt_lookup_max)
-    raise ValueError(f"speculative_method must be one of {', '.join(map(repr, SPECULATIVE_METHODS))}, "
-                     f"got {method!r}")
+def check_method(method: str) -> None:
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_method must be one of {', '.join(map(repr, SPECULATIVE_METHODS))}, "
+                         f"got {method!r}")

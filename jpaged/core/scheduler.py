@@ -56,9 +56,10 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Callable, Optional, Sequence as Seq
+from typing import Optional, Sequence as Seq
 
 from jpaged.core.kv_cache_manager import DeviceOps, KVCacheManager, SwappingKVCacheManager, cache_computed
+from jpaged.core.proposer import DraftRequest, Proposer
 from jpaged.core.sequence import GroupStatus, Sequence, SequenceGroup
 
 logger = logging.getLogger("jpaged")
@@ -78,8 +79,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: the most tokens of one prompt a ragged step computes (0: no cap
       but the budget), so that several long prompts progress together.
     num_speculative_tokens: draft tokens a decoding sequence may verify in a step (speculative
-      decoding; 0: none), as the scheduler's `draft` callable proposes them, within the blocks left
-      once every sequence has its next token's and the token budget (drafts never preempt).
+      decoding; 0: none), as the scheduler's proposer drafts them, within the blocks left once every
+      sequence has its next token's and the token budget (drafts never preempt).
     """
 
     max_num_seqs: int = 256
@@ -140,17 +141,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """See the module docstring. `draft(group, seq, k)`: at most k draft tokens for a decoding
-    sequence (speculative decoding, with `num_speculative_tokens` > 0; the engine's proposer)."""
+    """See the module docstring. Speculative decoding (`num_speculative_tokens` > 0): `proposer`
+    (`jpaged.core.proposer`) drafts for the sequences granted lookahead slots, none past
+    `max_model_len` (the context) or past what its request may still generate."""
 
-    def __init__(self, block_manager: KVCacheManager, config: SchedulerConfig,
-                 draft: Optional[Callable[[SequenceGroup, Sequence, int], list[int]]] = None):
+    def __init__(self, block_manager: KVCacheManager, config: SchedulerConfig, *,
+                 proposer: Optional[Proposer] = None, max_model_len: Optional[int] = None):
         if config.preemption_mode == "swap" and not isinstance(block_manager, SwappingKVCacheManager):
             raise ValueError(f"{type(block_manager).__name__} has no CPU swap space: use "
                              "preemption_mode='recompute'")
         self.block_manager = block_manager
         self.config = config
-        self.draft = draft
+        self.proposer = proposer
+        self.max_model_len = max_model_len
         self.waiting: collections.deque[SequenceGroup] = collections.deque()
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
@@ -482,12 +485,13 @@ class Scheduler:
             scheduled += resumed
             ops += swap_ops
         decoding = [g for g in scheduled if not g.num_computed_tokens]
-        drafts = self._propose(decoding, free)
+        lookahead = self._grant_lookahead(decoding, free)
         appends = [(s.seq_id, s.last_token_id) for g in decoding for s in g.live_seqs]
         if appends:
             self.block_manager, append_ops = self.block_manager.append(
-                appends, **({"lookahead": {i: len(d) for i, d in drafts.items()}} if drafts else {}))
+                appends, **({"lookahead": lookahead} if lookahead else {}))
             ops += append_ops
+        drafts = self._propose(decoding, lookahead)
         rows, row_seqs, spec = [], [], {}
         for group in decoding:
             for seq in group.live_seqs:
@@ -503,31 +507,57 @@ class Scheduler:
                     row_seqs.append([])
         return SchedulerOutput(True, rows, row_seqs, scheduled, ops, preempted, finished, spec)
 
-    def _propose(self, decoding: list[SequenceGroup], free: list[int]) -> dict[int, list[int]]:
-        """Draft tokens for the decoding sequences (speculative decoding), in arrival order, while the
-        blocks left in their partition (`free`, after every sequence's next token) and the token
-        budget (after every decode token) hold them. Beam-search groups draft nothing."""
+    def _grant_lookahead(self, decoding: list[SequenceGroup], free: list[int]) -> dict[int, int]:
+        """Lookahead slots for the decoding sequences' drafts (speculative decoding), in arrival order,
+        while the blocks left in their partition (`free`, after every sequence's next token) and the
+        token budget (after every decode token) hold them: seq_id -> slots. None past the context, past
+        what the request may still generate (the token drawn after the drafts is one), or for a
+        beam-search group."""
         k = self.config.num_speculative_tokens
-        if not (k and self.draft):
+        if not (k and self.proposer):
             return {}
         budget = self.config.max_num_batched_tokens - sum(len(g.live_seqs) for g in decoding)
-        drafts = {}
+        length = self.max_model_len or float("inf")
+        granted = {}
         for group in decoding:
             if group.params.use_beam_search:
                 continue
             rank = self._rank(group)
             for seq in group.live_seqs:
-                tokens = list(self.draft(group, seq, min(k, budget)))[:max(0, min(k, budget))]
-                if not tokens:
+                n = int(min(k, budget, group.params.max_tokens - len(seq.output_token_ids) - 1,
+                            length - seq.num_tokens))
+                if n <= 0:
                     continue
                 ids = [seq.seq_id]
-                extra = (self.block_manager.num_blocks_to_append(ids, lookahead=len(tokens))
+                extra = (self.block_manager.num_blocks_to_append(ids, lookahead=n)
                          - self.block_manager.num_blocks_to_append(ids))
                 if extra > free[rank]:
                     continue
                 free[rank] -= extra
-                budget -= len(tokens)
-                drafts[seq.seq_id] = tokens
+                budget -= n
+                granted[seq.seq_id] = n
+        return granted
+
+    def _propose(self, decoding: list[SequenceGroup], lookahead: dict[int, int]) -> dict[int, list[int]]:
+        """The proposer's drafts for the sequences granted lookahead slots (appended already):
+        seq_id -> drafts, at most its slots, none empty (a sequence given none gives its slots back;
+        the others' unused slots go back with `commit_drafts`)."""
+        if not lookahead:
+            return {}
+        seqs = [s for g in decoding for s in g.live_seqs if s.seq_id in lookahead]
+        requests = []
+        for seq in seqs:
+            start = seq.num_tokens - 1  # the draft inputs: the last token, then the drafts but the last
+            requests.append(DraftRequest(seq, lookahead[seq.seq_id],
+                                         tuple(self.block_manager.slot_mapping(
+                                             seq.seq_id, start, start + lookahead[seq.seq_id])),
+                                         tuple(self.block_manager.block_table(seq.seq_id))))
+        drafts = {}
+        for seq, tokens in zip(seqs, self.proposer.propose(requests)):
+            if tokens:
+                drafts[seq.seq_id] = list(tokens)[:lookahead[seq.seq_id]]
+            else:  # nothing proposed: its slots go back at once
+                self.block_manager = self.block_manager.commit_lookahead(seq.seq_id, [])
         return drafts
 
     def commit_drafts(self, seq: Sequence, num_accepted: int) -> None:

@@ -32,7 +32,7 @@ parameters, for fine-tuning them (`notebooks/finetune_then_serve.ipynb`) and for
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -103,10 +103,12 @@ def apply_rope(x, cos, sin):
     return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
 
 
-def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config: ModelConfig, backend):
+def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config: ModelConfig, backend,
+            num_layers: Optional[int] = None):
     """Runs the decoder on the packed tokens of `inputs`, writing their K/V into `cache`.
 
-    Returns (cache, hidden f[N, hidden]), one hidden state per packed token.
+    Returns (cache, hidden f[N, hidden]), one hidden state per packed token, after the final norm.
+    `num_layers` (static): only the first layers (self-drafting's early exit; their K/V alone written).
     """
     c = config
     norm = lambda x, w: rms_norm(x, w, c.rms_norm_eps, c.norm_offset)  # noqa: E731
@@ -140,8 +142,10 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
         x = x + (norm(out, p.post_mlp_norm) if c.sandwich_norms else out)
         return (x, pool), None
 
-    layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-    (x, pool), _ = jax.lax.scan(layer, (x, cache.kv), (params.layers, layer_ids, layer_rope, windows))
+    depth = c.num_layers if num_layers is None else num_layers
+    layers = params.layers if depth == c.num_layers else jax.tree.map(lambda a: a[:depth], params.layers)
+    layer_ids = jnp.arange(depth, dtype=jnp.int32)
+    (x, pool), _ = jax.lax.scan(layer, (x, cache.kv), (layers, layer_ids, layer_rope[:depth], windows[:depth]))
     x = norm(x, from_storage(params.final_norm))
     return KVCache(kv=pool), x
 

@@ -121,12 +121,20 @@ _READS = {"native": ((False, False), (True, True)), "pallas": ((False, False), (
 
 
 # executable name -> position of the KV cache it takes donated (and returns, first if several outputs)
-_DONATED = {"prefill_step": 1, "decode_step": 1, "copy_blocks": 0, "write_blocks": 0}
+_DONATED = {"prefill_step": 1, "decode_step": 1, "draft_step": 1, "copy_blocks": 0, "write_blocks": 0}
 
 
 def _step(params, cache, inputs, *, config, backend):
     cache, hidden = forward(params, cache, inputs, config=config, backend=backend)
     return cache, compute_logits(params, hidden[inputs.logits_index], config=config)
+
+
+def _draft_step(params, cache, inputs, *, config, backend, num_layers: int):
+    """Self-drafting: the first `num_layers` layers, the final norm and the LM head on decode rows
+    (their K/V written for those layers alone); returns (cache, each row's argmax token i32[B])."""
+    cache, hidden = forward(params, cache, inputs, config=config, backend=backend, num_layers=num_layers)
+    logits = compute_logits(params, hidden[inputs.logits_index], config=config)
+    return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def _data_parallel_step(params, cache, inputs, row_index, *, config, backend, mesh, pool_spec, axis):
@@ -226,12 +234,14 @@ class ModelRunner:
         self.cache = self._new_pool(pool_shape(self.pool_config, num_blocks, block_size), storage)
         self.cpu_kv = np.zeros(pool_shape(self.pool_config, num_cpu_blocks, block_size), np.dtype(storage))
         step = functools.partial(_step, config=config, backend=backend)
+        draft = functools.partial(_draft_step, config=config, backend=backend)
         copy = functools.partial(_copy_blocks, backend=backend)
         self._moved = None  # the sharding of blocks moved by a swap (sharded runners)
         if sharding is None:
             self._jits = {
                 "prefill_step": jax.jit(step, donate_argnums=(1,)),
                 "decode_step": jax.jit(step, donate_argnums=(1,)),
+                "draft_step": jax.jit(draft, donate_argnums=(1,), static_argnames=("num_layers",)),
                 "copy_blocks": jax.jit(copy, donate_argnums=(0,)),
                 "read_blocks": jax.jit(_read_blocks),
                 "write_blocks": jax.jit(_write_blocks, donate_argnums=(0,)),
@@ -254,6 +264,9 @@ class ModelRunner:
             # processes, whole on every device, so that each process reads them to its host (its own swap pool)
             moved = self._moved = jax.sharding.NamedSharding(mesh, P() if jax.process_count() > 1 else P(
                 *(None if i == 1 else a for i, a in enumerate(block.spec))))
+            if self.num_partitions == 1:  # self-drafting: not over data-parallel partitions
+                self._draft_jit = jax.jit(draft, donate_argnums=(1,), static_argnames=("num_layers",),
+                                          in_shardings=step_in, out_shardings=(pool, rep))
             self._jits = {
                 "prefill_step": jax.jit(step, donate_argnums=(1,), in_shardings=step_in, out_shardings=(pool, rep)),
                 "decode_step": jax.jit(step, donate_argnums=(1,), in_shardings=step_in, out_shardings=(pool, rep)),
@@ -262,6 +275,8 @@ class ModelRunner:
                 "write_blocks": jax.jit(_write_blocks, donate_argnums=(0,), in_shardings=(pool, rep, moved),
                                         out_shardings=pool),
             }
+        if sharding is not None and self.num_partitions == 1:
+            self._jits["draft_step"] = self._draft_jit
         self._jits["sample"] = sample
         self._executables: dict = {}
         self.num_warm_up_compilations = 0  # executables `warm_up` built
@@ -517,8 +532,17 @@ class ModelRunner:
 
     # ---- warm-up -----------------------------------------------------------------------------
 
+    def draft(self, rows: Seq, *, num_layers: int, shapes: Optional[StepShapes] = None) -> np.ndarray:
+        """Self-drafting: one decode-shaped step of the first `num_layers` layers over `rows` (one token
+        each), writing those layers' K/V; returns each row's most likely next token (int32[len(rows)])."""
+        if "draft_step" not in self._jits:
+            raise ValueError("self-drafting does not run over data-parallel partitions: use data_parallel_size=1")
+        inputs = shapes.pack(rows, decode=True) if shapes is not None else self._pack(rows, decode=True)
+        self.cache, tokens = self._run("draft_step", self.params, self.cache, inputs, num_layers=num_layers)
+        return np.asarray(tokens)[:len(rows)]
+
     def warm_up(self, shapes: StepShapes, *, progress: Optional[Callable[[int, int], None]] = None,
-                workers: Optional[int] = None) -> WarmUp:
+                workers: Optional[int] = None, draft_layers: Optional[int] = None) -> WarmUp:
         """Builds, before any step and without running anything, every executable that steps packed at
         `shapes` can run: the model steps of `shapes.all_dims` (prefill and decode), the sampler for every
         logits row count, top log-probability bucket and variant (greedy, random, filtered), the
@@ -531,7 +555,7 @@ class ModelRunner:
             raise ValueError("warm_up covers one data-parallel partition: a data-parallel runner packs its "
                              "ranks' rows without step shapes")
         start = time.perf_counter()
-        jobs = self._warm_up_jobs(shapes)
+        jobs = self._warm_up_jobs(shapes, draft_layers)
         counts: dict[str, int] = {}
         todo = {}
         for name, args, static in jobs:
@@ -562,9 +586,10 @@ class ModelRunner:
         self.num_compilations_after_warm_up = 0
         return WarmUp(executables=counts, built=len(todo), cache_hits=len(hits), seconds=time.perf_counter() - start)
 
-    def _warm_up_jobs(self, shapes: StepShapes) -> list[tuple[str, tuple, dict]]:
-        """(name, arguments, static options) of every executable `warm_up` builds; arrays the steps
-        pass from the host are `jax.ShapeDtypeStruct`s of the shapes they would have."""
+    def _warm_up_jobs(self, shapes: StepShapes, draft_layers: Optional[int] = None) -> list[tuple[str, tuple, dict]]:
+        """(name, arguments, static options) of every executable `warm_up` builds (self-drafting's steps
+        of `draft_layers` layers too, when given); arrays the steps pass from the host are
+        `jax.ShapeDtypeStruct`s of the shapes they would have."""
         def sds(shape, dtype, sharding=None):
             return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)
 
@@ -573,6 +598,9 @@ class ModelRunner:
             name = "decode_step" if decode else "prefill_step"
             for dims in shapes.all_dims(decode=decode):
                 jobs.append((name, (self.params, self.cache, shapes.abstract_inputs(dims, decode=decode)), {}))
+                if decode and draft_layers:
+                    jobs.append(("draft_step", (self.params, self.cache, shapes.abstract_inputs(dims, decode=True)),
+                                 dict(num_layers=draft_layers)))
         vocab = self.params.lm_head.shape[-1]
         logits_sharding = self.sharding.replicated(self.mesh) if self.sharding is not None else None
         for rows in bucket_values(1, shapes.max_num_seqs, row_bucket):  # every logits row count of a step

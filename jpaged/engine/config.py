@@ -9,7 +9,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jpaged.core.proposer import make_proposer
+from jpaged.core.proposer import NgramProposer, check_method
 from jpaged.core.scheduler import SchedulerConfig
 from jpaged.device.attention import BACKENDS
 from jpaged.device.kv_cache import parse_memory_size
@@ -37,11 +37,12 @@ class EngineConfig:
       prompts in chunks (True, as in vLLM v1), or the paper's prefill-first steps (False);
       long_prefill_token_threshold caps one prompt's tokens in a step (0: none). See
       `jpaged.core.scheduler`.
-    speculative_method: None, or 'ngram' (prompt lookup, `jpaged.core.proposer`): each decoding
-      sequence proposes up to `num_speculative_tokens` draft tokens a step, verified in that step
-      with exact acceptance (greedy: the target's argmax tokens; sampled: the target distribution);
-      `prompt_lookup_min` / `prompt_lookup_max` bound the n-gram matched. Beam-search requests
-      draft nothing.
+    speculative_method: None, 'ngram' (prompt lookup, `jpaged.core.proposer`) or 'draft-layers'
+      (self-drafting: the model's first `speculative_draft_layers` layers, default half of them, with
+      its final norm and LM head, `jpaged.engine.draft`): each decoding sequence proposes up to
+      `num_speculative_tokens` draft tokens a step, verified in that step with exact acceptance
+      (greedy: the target's argmax tokens; sampled: the target distribution); `prompt_lookup_min` /
+      `prompt_lookup_max` bound the n-gram matched. Beam-search requests draft nothing.
     preemption_mode: 'recompute' or 'swap' (into `swap_space` GiB of CPU blocks, as in vLLM).
     watermark: the fraction of the pool kept free when admitting a request while others run,
       against preempting right after admission.
@@ -75,6 +76,7 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    speculative_draft_layers: Optional[int] = None
     preemption_mode: str = "recompute"
     swap_space: float = 0.0
     watermark: float = 0.01
@@ -126,20 +128,20 @@ class EngineConfig:
         # the scheduler's settings, checked now, before any model is loaded
         self.scheduler_config(1)
         if self.speculative_method is not None:
-            make_proposer(self.speculative_method, prompt_lookup_min=self.prompt_lookup_min,
-                          prompt_lookup_max=self.prompt_lookup_max)
-            if self.num_speculative_tokens < 1:
+            check_method(self.speculative_method)
+            if self.speculative_method == "ngram":
+                self.ngram_proposer()
+            if not (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1):
                 raise ValueError("speculative decoding needs num_speculative_tokens >= 1 (--num-speculative-tokens "
                                  f"K), got {self.num_speculative_tokens!r}")
         elif self.num_speculative_tokens:
             raise ValueError("num_speculative_tokens needs a speculative_method (--speculative-method ngram)")
+        layers = self.speculative_draft_layers
+        if layers is not None and not (isinstance(layers, int) and layers >= 1):
+            raise ValueError(f"speculative_draft_layers must be an integer >= 1, got {layers!r}")
 
-    def proposer(self):
-        """The speculative-decoding proposer (`jpaged.core.proposer`), or None."""
-        if self.speculative_method is None:
-            return None
-        return make_proposer(self.speculative_method, prompt_lookup_min=self.prompt_lookup_min,
-                             prompt_lookup_max=self.prompt_lookup_max)
+    def ngram_proposer(self) -> NgramProposer:
+        return NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)
 
     def scheduler_config(self, default_batched_tokens: int) -> SchedulerConfig:
         """The scheduler's settings (`max_num_batched_tokens` when None: `default_batched_tokens`)."""

@@ -41,6 +41,7 @@ from jpaged.device.kv_cache import bytes_per_block, check_pool_fits, num_blocks_
 from jpaged.device.params import LlamaParams, cast_params, check_params, num_params, to_storage
 from jpaged.device.runner import ModelRunner, SampleRow, WarmUp
 from jpaged.engine.config import EngineConfig
+from jpaged.engine.draft import SelfDraftProposer
 from jpaged.engine.observer import StepObserver, StepRecord
 from jpaged.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jpaged.weights import LoadedModel, load_model, read_config
@@ -132,13 +133,16 @@ class LLMEngine:
         factory = kv_cache_manager or BlockManager.from_spec
         if parts > 1:
             factory = functools.partial(PartitionedBlockManager.from_spec, num_partitions=parts)
-        self.proposer = config.proposer()  # speculative decoding's (None: off)
-        self.scheduler = Scheduler(factory(self.kv_cache_spec), scheduler_config,
-                                   draft=self._draft if self.proposer is not None else None)
-        # speculative decoding: drafts proposed and accepted, and accepted by position (1st draft, 2nd, ...)
-        self.spec_counts = {"num_proposed": 0, "num_accepted": 0,
-                            "accepted_by_position": [0] * config.num_speculative_tokens,
-                            "proposed_by_position": [0] * config.num_speculative_tokens}
+        draft_layers = None  # self-drafting: the layers of the draft
+        if config.speculative_method == "draft-layers":
+            draft_layers = config.speculative_draft_layers or max(1, model_config.num_layers // 2)
+            if draft_layers >= model_config.num_layers:
+                raise ValueError(f"speculative_draft_layers={draft_layers}: the draft must have fewer layers than "
+                                 f"the model's {model_config.num_layers}")
+            if parts > 1:
+                raise ValueError("self-drafting (speculative_method='draft-layers') does not run over data-parallel "
+                                 "partitions: use data_parallel_size=1 or speculative_method='ngram'")
+        self.draft_layers = draft_layers
         if runner is None:
             on_cpu = jax.default_backend() == "cpu"
             runner = ModelRunner(model_config, to_storage(self.model.params) if on_cpu else self.model.params,
@@ -149,6 +153,16 @@ class LLMEngine:
         self.runner = runner
         # the shape buckets of this engine's steps, bounded by its limits (one data-parallel partition)
         self.shapes = None if parts > 1 else runner.step_shapes(**self._step_limits(scheduler_config))
+        # speculative decoding's proposer (None: off), and its counts: drafts proposed and accepted, and
+        # by position (the 1st draft of a step, the 2nd, ...)
+        self.proposer = (None if config.speculative_method is None else config.ngram_proposer()
+                         if config.speculative_method == "ngram"
+                         else SelfDraftProposer(runner, draft_layers, self.shapes))
+        self.spec_counts = {"num_proposed": 0, "num_accepted": 0,
+                            "accepted_by_position": [0] * config.num_speculative_tokens,
+                            "proposed_by_position": [0] * config.num_speculative_tokens}
+        self.scheduler = Scheduler(factory(self.kv_cache_spec), scheduler_config, proposer=self.proposer,
+                                   max_model_len=self.max_model_len)
         self.warm_up_summary = None  # what `warm_up` did, once called
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self._rng = np.random.default_rng(config.seed)
@@ -205,7 +219,8 @@ class LLMEngine:
         Data parallel (several partitions) is not covered: raises ValueError."""
         if self.shapes is None:
             raise ValueError("warm_up covers engines of one data-parallel partition (data_parallel_size=1)")
-        self.warm_up_summary = self.runner.warm_up(self.shapes, progress=progress, workers=workers)
+        self.warm_up_summary = self.runner.warm_up(self.shapes, progress=progress, workers=workers,
+                                                   draft_layers=self.draft_layers)
         return self.warm_up_summary
 
     # ---- observers ---------------------------------------------------------------------------
@@ -445,14 +460,6 @@ class LLMEngine:
             self.scheduler.finish_seq(seq, reason)
             return False
         return True
-
-    def _draft(self, group: SequenceGroup, seq: Sequence, num_tokens: int) -> list[int]:
-        """The scheduler's draft callable: the proposer's drafts for `seq`, at most `num_tokens`, no more
-        than its request can still take (max_tokens: the token drawn after the drafts is one) and every
-        draft's position inside the context."""
-        room = min(num_tokens, group.params.max_tokens - len(seq.output_token_ids) - 1,
-                   self.max_model_len - seq.num_tokens)
-        return self.proposer.propose(seq.token_ids, room) if room > 0 else []
 
     def _count_drafts(self, num_proposed: int, num_accepted: int) -> None:
         counts = self.spec_counts

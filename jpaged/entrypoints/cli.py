@@ -152,15 +152,18 @@ def add_engine_arguments(parser) -> None:
                         "(default); --no-enable-chunked-prefill: the paper's separate prefill and decode steps")
     parser.add_argument("--long-prefill-token-threshold", type=int, default=0,
                         help="tokens of one prompt a step computes, at most (0: no cap but the budget)")
-    parser.add_argument("--speculative-method", default=None, choices=["ngram"],
-                        help="speculative decoding: ngram (prompt lookup) proposes draft tokens, verified in one "
-                        "step with exact acceptance (default: off)")
+    parser.add_argument("--speculative-method", default=None, choices=["ngram", "draft-layers"],
+                        help="speculative decoding: ngram (prompt lookup) or draft-layers (the model's first layers "
+                        "as its draft) proposes draft tokens, verified in one step with exact acceptance "
+                        "(default: off)")
     parser.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                         help="draft tokens a sequence verifies per step (with --speculative-method)")
     parser.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N",
                         help="the shortest suffix the ngram proposer matches (default 1)")
     parser.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N",
                         help="the longest suffix the ngram proposer matches (default 4)")
+    parser.add_argument("--speculative-draft-layers", type=int, default=None, metavar="L",
+                        help="the draft-layers method's draft: the model's first L layers (default: half)")
     parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                         help="what happens to the latest requests when KV blocks run out")
     parser.add_argument("--swap-space", type=float, default=4.0, metavar="GiB",
@@ -233,6 +236,7 @@ def engine_config(args):
                         speculative_method=args.speculative_method,
                         num_speculative_tokens=args.num_speculative_tokens,
                         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+                        speculative_draft_layers=args.speculative_draft_layers,
                         preemption_mode=args.preemption_mode,
                         swap_space=args.swap_space if args.preemption_mode == "swap" else 0.0,
                         enable_prefix_caching=args.enable_prefix_caching,
