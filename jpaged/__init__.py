@@ -23,6 +23,7 @@ _EXPORTS = {
     "RequestOutput": "jpaged.engine",
     "CompletionOutput": "jpaged.engine",
     "SamplingParams": "jpaged.core.sampling_params",
+    "StructuredOutputsParams": "jpaged.core.structured_output",
 }
 
 __all__ = list(_EXPORTS)

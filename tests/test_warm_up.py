@@ -6,7 +6,7 @@ pack only at shapes the warm-up enumerates (for each attention backend's inputs)
 shapes it compiles. /metrics reports the warm-up and the compilations after it. The `jpaged serve`
 flags are tested in tests/test_cli.py.
 
-The warmed engine is small (2 sequences, a 32-token context, a 4-block pool): 22 executables."""
+The warmed engine is small (2 sequences, a 32-token context, a 4-block pool): 34 executables."""
 
 from __future__ import annotations
 
@@ -50,10 +50,11 @@ def test_warm_up_builds_every_shape_and_serving_compiles_nothing(warmed):
     llm, summary, progress = warmed
     engine = llm.engine
     # 6 token buckets (16..40: the ragged step's 32-token budget and up to 2 decode rows), 2 decode row counts,
-    # the sampler for 1 or 2 logits rows, 1 or 32 top log-probabilities and 3 variants, 1 or 2 copies
-    assert summary.executables == {"prefill_step": 6, "decode_step": 2, "sample": 12, "copy_blocks": 2}
-    assert summary.built == 22 and progress[-1] == (22, 22) and len(progress) == 22
-    assert engine.stats()["num_warm_up_compilations"] == 22 and engine.stats()["num_compilations_after_warm_up"] == 0
+    # the sampler for 1 or 2 logits rows, 1 or 32 top log-probabilities, 3 variants, without and with a
+    # structured-output mask, 1 or 2 copies
+    assert summary.executables == {"prefill_step": 6, "decode_step": 2, "sample": 24, "copy_blocks": 2}
+    assert summary.built == 34 and progress[-1] == (34, 34) and len(progress) == 34
+    assert engine.stats()["num_warm_up_compilations"] == 34 and engine.stats()["num_compilations_after_warm_up"] == 0
     ids = [[1], [9, 8, 7], list(range(100, 109)), list(range(200, 217)), list(range(300, 325))]
     mixed = [SamplingParams(max_tokens=30, ignore_eos=True),
              SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True),
@@ -91,7 +92,7 @@ def test_metrics_count_compilations_after_the_warm_up(warmed):
     try:
         r = running.client().completions.create(model="smol", prompt="Hi", max_tokens=4, temperature=0)
         assert r.choices[0].finish_reason == "length"
-        assert running.metric("jpaged_warm_up_executables") == summary.num_executables == 22
+        assert running.metric("jpaged_warm_up_executables") == summary.num_executables == 34
         assert running.metric("jpaged_warm_up_seconds") == pytest.approx(summary.seconds)
         assert running.metric("jpaged_compiles_total") == 0
     finally:

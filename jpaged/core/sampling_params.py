@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Optional, Sequence
 
+from jpaged.core.structured_output import StructuredOutputsParams
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -17,6 +19,9 @@ class SamplingParams:
     seed: makes the request reproducible whatever shares its batch and however often it is preempted;
       sample i draws as a single-sample request with seed `seed + i`. None draws one from the engine.
     stop: strings that end a sample (not included in the text); stop_token_ids likewise.
+    structured_outputs: constrain the output (`jpaged.core.structured_output.StructuredOutputsParams`, or
+      a dict of its fields: a JSON schema, a regex, a choice of strings, a Lark/GBNF grammar, or any
+      JSON object); the sequence ends ("stop") when the constraint is complete. Not with beam search.
     logprobs: return, for every generated token, the log-probabilities of the `logprobs` most likely
       tokens and of the token chosen (vLLM's and OpenAI's meaning; 0: the chosen token's alone); not
       with beam search, whose beams carry their cumulative_logprob.
@@ -35,8 +40,14 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self):
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs must be a StructuredOutputsParams or a dict of its fields, got "
+               f"{type(self.structured_outputs).__name__}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
@@ -63,6 +74,8 @@ class SamplingParams:
         _check(self.early_stopping in (True, False, "never"),
                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         if self.use_beam_search:
+            _check(self.structured_outputs is None, "structured outputs are not supported with beam search: "
+                   "use n=1 (greedy or sampled) with structured_outputs")
             _check(self.n == 1, "use either n > 1 (sampling) or beam_width > 1 (beam search), not both")
             _check(not self.stop, "stop strings are not supported with beam search: use stop_token_ids")
             _check(self.logprobs is None, "logprobs are not returned with beam search (each beam's "

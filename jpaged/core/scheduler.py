@@ -512,7 +512,7 @@ class Scheduler:
         while the blocks left in their partition (`free`, after every sequence's next token) and the
         token budget (after every decode token) hold them: seq_id -> slots. None past the context, past
         what the request may still generate (the token drawn after the drafts is one), or for a
-        beam-search group."""
+        beam-search or structured-output group."""
         k = self.config.num_speculative_tokens
         if not (k and self.proposer):
             return {}
@@ -520,8 +520,8 @@ class Scheduler:
         length = self.max_model_len or float("inf")
         granted = {}
         for group in decoding:
-            if group.params.use_beam_search:
-                continue
+            if group.params.use_beam_search or group.params.structured_outputs is not None:
+                continue  # beams and constrained sequences draft nothing
             rank = self._rank(group)
             for seq in group.live_seqs:
                 n = int(min(k, budget, group.params.max_tokens - len(seq.output_token_ids) - 1,

@@ -68,6 +68,7 @@ class SampleRow:
     sample_index: int
     step: int
     draft: int = -1  # speculative decoding: the draft token this row verifies (-1: none)
+    allowed: Optional[np.ndarray] = None  # structured output: the row's packed allowed-token bitmask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -469,15 +470,22 @@ class ModelRunner:
 
     def _sample(self, logits, rows: Seq[SampleRow], size: int, num_top: int) -> dict[str, np.ndarray]:
         dtypes = {"temperature": np.float32, "top_p": np.float32, "seed": np.uint32}
-        columns = {f.name: np.zeros(size, dtypes.get(f.name, np.int32)) for f in dataclasses.fields(SampleRow)}
+        columns = {f.name: np.zeros(size, dtypes.get(f.name, np.int32)) for f in dataclasses.fields(SampleRow)
+                   if f.name != "allowed"}
         columns["top_p"][:] = 1.0
         columns["draft"][:] = -1
         for i, r in enumerate(rows):
             for name in columns:
                 columns[name][i] = getattr(r, name)
+        allowed = None
+        masks = [(i, r.allowed) for i, r in enumerate(rows) if r.allowed is not None]
+        if masks:  # every other row allows everything
+            allowed = np.full((size, masks[0][1].shape[-1]), -1, np.int32)
+            for i, mask in masks:
+                allowed[i] = mask
         params = SamplingInputs(temperature=columns["temperature"], top_k=columns["top_k"], top_p=columns["top_p"],
                                 seed=columns["seed"], sample_index=columns["sample_index"],
-                                step=columns["step"], draft=columns["draft"])
+                                step=columns["step"], draft=columns["draft"], allowed=allowed)
         use_filter = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0) for r in rows)
         use_random = any(r.temperature > 0 for r in rows)
         out = jax.device_get(self._run("sample", logits, columns["row"], params, num_top=num_top,
@@ -604,14 +612,16 @@ class ModelRunner:
         vocab = self.params.lm_head.shape[-1]
         logits_sharding = self.sharding.replicated(self.mesh) if self.sharding is not None else None
         for rows in bucket_values(1, shapes.max_num_seqs, row_bucket):  # every logits row count of a step
-            params = SamplingInputs(temperature=sds([rows], np.float32), top_k=sds([rows], np.int32),
-                                    top_p=sds([rows], np.float32), seed=sds([rows], np.uint32),
-                                    sample_index=sds([rows], np.int32), step=sds([rows], np.int32),
-                                    draft=sds([rows], np.int32))
-            for top in shapes.top_buckets():
-                for use_filter, use_random in _SAMPLE_MODES:
-                    jobs.append(("sample", (sds([rows, vocab], np.float32, logits_sharding), sds([rows], np.int32),
-                                            params), dict(num_top=top, use_filter=use_filter, use_random=use_random)))
+            for allowed in (None, sds([rows, -(-vocab // 32)], np.int32)):  # without and with structured output
+                params = SamplingInputs(temperature=sds([rows], np.float32), top_k=sds([rows], np.int32),
+                                        top_p=sds([rows], np.float32), seed=sds([rows], np.uint32),
+                                        sample_index=sds([rows], np.int32), step=sds([rows], np.int32),
+                                        draft=sds([rows], np.int32), allowed=allowed)
+                for top in shapes.top_buckets():
+                    for use_filter, use_random in _SAMPLE_MODES:
+                        jobs.append(("sample", (sds([rows, vocab], np.float32, logits_sharding),
+                                                sds([rows], np.int32), params),
+                                     dict(num_top=top, use_filter=use_filter, use_random=use_random)))
         for n in bucket_values(1, shapes.max_num_seqs, bucket):  # copy-on-write: one per appended sequence
             jobs.append(("copy_blocks", (self.cache, sds([n, 2], np.int32)), {}))
         if self.num_cpu_blocks:

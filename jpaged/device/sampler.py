@@ -13,6 +13,9 @@ random rows accept d with probability p(d) under the row's filtered, tempered di
 uniform drawn with `fold_in(key, 1)`), else draw from p with d removed and renormalized (the row's
 own key), so the token emitted follows p exactly (standard speculative sampling with q = the point
 mass on d). Rows without a draft draw exactly as they would without speculation.
+
+Structured output (`SamplingInputs.allowed`): a constrained row draws only among its allowed tokens
+(the others' logits -inf before temperature and filtering); log-probabilities stay the raw model's.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ class SamplingInputs:
 
     temperature f32[B] (0 = greedy), top_k i32[B] (0 = off), top_p f32[B] (1 = off),
     seed u32[B], sample_index i32[B], step i32[B] (output tokens the sample already has),
-    draft i32[B] (the draft token the row verifies, -1: none; None: no row has one).
+    draft i32[B] (the draft token the row verifies, -1: none; None: no row has one),
+    allowed i32[B, ceil(V / 32)] (structured output: bit t % 32 of word t // 32 set where token t may
+    be drawn, every bit of an unconstrained row; None: no row is constrained).
     """
 
     temperature: jax.Array
@@ -41,6 +46,7 @@ class SamplingInputs:
     sample_index: jax.Array
     step: jax.Array
     draft: Optional[jax.Array] = None
+    allowed: Optional[jax.Array] = None
 
 
 @struct.dataclass
@@ -114,6 +120,12 @@ def row_max_argmax(logits, chunk: int = 128):
     return jnp.max(chunk_max, axis=-1), (first * chunk + inside).astype(jnp.int32)
 
 
+def unpack_bitmask(words, vocab: int):
+    """i32[B, W] packed bits -> bool[B, vocab]: token t is bit t % 32 of word t // 32."""
+    bits = jnp.right_shift(words[:, :, None], jnp.arange(32, dtype=words.dtype)) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab].astype(bool)
+
+
 def draw(key, logits):
     """One token from softmax(logits) by inverting its CDF with a single uniform (exact, and far
     cheaper than Gumbel noise over the whole vocabulary)."""
@@ -144,12 +156,16 @@ def sample(logits, rows, params: SamplingInputs, *, num_top: int = 1, use_filter
         return (values - row_max[at]) - log_norm[at]
 
     token_ids = argmax[rows]
+    row_logits = logits[rows]  # [B, V]: what each sample draws from (masked where constrained)
+    if params.allowed is not None:
+        row_logits = jnp.where(unpack_bitmask(params.allowed, logits.shape[-1]), row_logits, -jnp.inf)
+        token_ids = row_max_argmax(row_logits)[1]
     draft = jnp.full(rows.shape, -1, jnp.int32) if params.draft is None else params.draft
     has_draft = draft >= 0
     accepted = has_draft & (token_ids == draft)  # greedy
     if use_random:
         temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
-        scaled = logits[rows] / temperature[:, None]
+        scaled = row_logits / temperature[:, None]
         if use_filter:
             scaled = filter_top_k_top_p(scaled, params.top_k, params.top_p)
         keys = jax.vmap(row_key)(params.seed, params.sample_index, params.step)

@@ -22,7 +22,7 @@ import logging
 import pathlib
 import threading
 import time
-from typing import Callable, Optional, Sequence as Seq
+from typing import Any, Callable, Optional, Sequence as Seq
 
 import jax
 import numpy as np
@@ -35,6 +35,7 @@ from jpaged.core.kv_cache_manager import (ForkingKVCacheManager, KVCacheManager,
                                           kv_utilization)
 from jpaged.core.sampling_params import SamplingParams
 from jpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jpaged.core.structured_output import GrammarCompiler, fill_bitmask
 from jpaged.core.sequence import Sequence, SequenceGroup
 from jpaged.device.attention import get_backend
 from jpaged.device.kv_cache import bytes_per_block, check_pool_fits, num_blocks_for_memory, parse_memory_size
@@ -163,6 +164,10 @@ class LLMEngine:
                             "proposed_by_position": [0] * config.num_speculative_tokens}
         self.scheduler = Scheduler(factory(self.kv_cache_spec), scheduler_config, proposer=self.proposer,
                                    max_model_len=self.max_model_len)
+        # structured output: the grammar compiler (built at the first constrained request) and each
+        # constrained sequence's matcher (seq_id -> llguidance.LLMatcher: generation state, the engine's)
+        self._grammars: Optional[GrammarCompiler] = None
+        self._matchers: dict[int, Any] = {}
         self.warm_up_summary = None  # what `warm_up` did, once called
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self._rng = np.random.default_rng(config.seed)
@@ -285,6 +290,8 @@ class LLMEngine:
             raise ValueError(f"{'beam_width' if params.use_beam_search else 'n'}={width} is more sequences than the "
                              f"engine runs at once (max_num_seqs={self.config.max_num_seqs}): lower it or raise "
                              "max_num_seqs")
+        if params.structured_outputs is not None:  # compiled now (cached): a bad one is refused here
+            self.grammars.grammar(params.structured_outputs)
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise ValueError(f"prompt is {n} tokens but the model's context is {self.max_model_len}: "
@@ -296,6 +303,13 @@ class LLMEngine:
             raise ValueError(f"prompt of {n} tokens needs {need} KV blocks of {bs} tokens but the pool has "
                              f"{usable}{' per data-parallel partition' if self.num_partitions > 1 else ''}: "
                              "raise num_blocks / kv_cache_memory or shorten the prompt")
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's grammar compiler for this engine's tokenizer (built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, sorted(self.eos_token_ids))
+        return self._grammars
 
     def add_request(self, request_id: str, prompt, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None) -> None:
@@ -311,10 +325,13 @@ class LLMEngine:
         group = SequenceGroup(str(request_id), text, tuple(ids), params, seed, seqs,
                               arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
                               beam_state=beam_search.BeamState() if params.use_beam_search else None)
+        matchers = {s.seq_id: self.grammars.matcher(params.structured_outputs) for s in seqs
+                    } if params.structured_outputs is not None else {}
         with self._lock:
             if group.request_id in self._request_ids:
                 raise ValueError(f"request_id {request_id!r} is already in use: pick a unique id")
             self._request_ids.add(group.request_id)
+            self._matchers.update(matchers)
             self._new.append(group)
 
     def abort(self, request_id: str) -> None:
@@ -352,6 +369,10 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
                 progressed.update((g.request_id, g) for g in self._fail(out, e))
             progressed.update((g.request_id, g) for g in out.groups)
+        for group in progressed.values():
+            if group.is_finished and self._matchers:
+                for seq in group.seqs:
+                    self._matchers.pop(seq.seq_id, None)
         results = [self._request_output(g) for g in progressed.values()]
         with self._lock:
             self._request_ids.difference_update(g.request_id for g in progressed.values() if g.is_finished)
@@ -411,6 +432,7 @@ class LLMEngine:
                 targets.append(seq)
         if not sample_rows:  # every row a chunk of a prompt that goes on in a later step
             return inputs.shape_key, int(inputs.token_ids.shape[0]), 0
+        sample_rows = self._constrain(sample_rows, targets, verify)
         num_top = max(g.params.num_top_logprobs for g in out.groups)
         samples = self.runner.sample(logits, sample_rows, num_top, shapes=self.shapes)
         now = time.monotonic()
@@ -446,9 +468,27 @@ class LLMEngine:
                 self.scheduler.finish_group(group)
         return inputs.shape_key, int(inputs.token_ids.shape[0]), num_sampled
 
+    def _constrain(self, sample_rows: list[SampleRow], targets: list[Sequence], verify: dict) -> list[SampleRow]:
+        """Structured output: the sample rows of constrained sequences, with the tokens their matchers
+        allow next (the others unchanged). A constrained sequence has one sample row (it drafts nothing)."""
+        if not self._matchers:
+            return sample_rows
+        rows, i = list(sample_rows), 0
+        bitmask = None
+        for seq in targets:
+            matcher = self._matchers.get(seq.seq_id)
+            if matcher is not None:
+                if bitmask is None:
+                    bitmask = self.grammars.allocate_bitmask(len(rows))
+                fill_bitmask(matcher, bitmask, i)
+                rows[i] = dataclasses.replace(rows[i], allowed=bitmask[i])
+            i += 1 + len(verify.get(seq.seq_id, ()))
+        return rows
+
     def _append_sample(self, group: SequenceGroup, seq: Sequence, samples: dict, i: int) -> bool:
         """Appends sample `i` to `seq` (with its log-probabilities as asked); False when the sequence
-        stopped with it (and was finished)."""
+        stopped with it (and was finished). A constrained sequence's matcher consumes the token, and
+        the sequence stops ("stop") when its constraint is complete."""
         token, logprob, top = int(samples["token_ids"][i]), float(samples["logprobs"][i]), None
         if group.params.logprobs is not None:  # the k most likely tokens, and the one chosen
             k = group.params.logprobs
@@ -456,6 +496,14 @@ class LLMEngine:
             top.setdefault(token, logprob)
         seq.append_token(token, logprob, top)
         reason = self._stop_reason(group, seq)
+        matcher = self._matchers.get(seq.seq_id)
+        if matcher is not None and reason is None:
+            if not matcher.consume_token(token):
+                logger.warning("request %s: token %d does not follow its constraint (%s): stopping it",
+                               group.request_id, token, matcher.get_error())
+                reason = "stop"
+            elif matcher.is_stopped():
+                reason = "stop"
         if reason is not None:
             self.scheduler.finish_seq(seq, reason)
             return False
@@ -571,6 +619,11 @@ class LLMEngine:
             self.peak_used_blocks, self.num_steps = state["peak_used_blocks"], state["num_steps"]
             self.timings = collections.Counter(state["timings"])
             self._utilization_sum, self._utilization_steps = state["utilization"]
+            # structured output: each constrained sequence's matcher, its generated tokens replayed
+            self._matchers = {
+                seq.seq_id: self.grammars.matcher(group.params.structured_outputs, seq.output_token_ids)
+                for group in [*scheduler.waiting, *scheduler.running, *scheduler.swapped, *state["new"]]
+                if group.params.structured_outputs is not None for seq in group.live_seqs}
 
     # ---- outputs and statistics --------------------------------------------------------------
 

@@ -7,6 +7,14 @@ Requests are checked field by field: every field of the OpenAI API that jpaged s
 field, or a value jpaged refuses, raises `ApiError` with a message that says what to change, which
 the server sends back as an OpenAI-style error body with the status it names.
 
+Structured output (`SamplingParams.structured_outputs`): OpenAI's `response_format` (`{"type": "text"}`:
+none; `{"type": "json_object"}`: any JSON object; `{"type": "json_schema", "json_schema": {"name", "schema",
+"strict", "description"}}`: the schema, enforced whatever `strict` says, as vLLM does), vLLM's
+`structured_outputs` (`{"json" | "regex" | "choice" | "grammar" | "json_object": ...}`) and its older
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`. One constraint per request. A
+constraint is checked here as far as its shape goes; whether it compiles, when the engine admits the
+request (`LLMEngine.check_request`), before it is queued.
+
 Chat messages: `content` a string or a list of text parts (`[{"type": "text", "text": ...}]`,
 joined with newlines, as vLLM does); roles system, developer (sent as system), user, assistant.
 
@@ -25,10 +33,18 @@ import uuid
 from typing import Any, Optional
 
 from jpaged.core.sampling_params import SamplingParams
+from jpaged.core.structured_output import KINDS, StructuredOutputsParams
 from jpaged.engine import CompletionOutput, RequestOutput
 
+# vLLM's older structured-output fields, and the StructuredOutputsParams field each one sets
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_FIELDS = {"response_format", "structured_outputs", *GUIDED}
+# vLLM's structured_outputs options that jpaged does not implement, accepted at their defaults
+STRUCTURED_NEUTRAL = {"disable_fallback": (False,), "disable_any_whitespace": (False,),
+                      "disable_additional_properties": (False,), "whitespace_pattern": (None,),
+                      "structural_tag": (None,)}
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs",
-                     "stream", "stream_options", "user", "top_k", "beam_width", "ignore_eos"}
+                     "stream", "stream_options", "user", "top_k", "beam_width", "ignore_eos", *STRUCTURED_FIELDS}
 CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt"}) | {"messages", "max_completion_tokens", "top_logprobs"}
 DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
 # the chat roles accepted, and the role the chat template sees (tools are not supported: no "tool")
@@ -64,6 +80,7 @@ class ParsedRequest:
     logprobs: bool  # whether choices carry logprobs
     model: str
     max_tokens_given: bool  # False: generate to the end of the context (the chat API's default)
+    constraint_field: Optional[str] = None  # the field that carried params.structured_outputs
 
 
 def parse_json(body: bytes) -> dict:
@@ -118,14 +135,98 @@ def parse_request(data: dict, *, chat: bool, model_name: str) -> ParsedRequest:
     stop = data.get("stop")
     if stop is not None:
         fields["stop"] = [stop] if isinstance(stop, str) else stop
+    constraint, constraint_field = _structured_outputs(data)
     try:
-        params = SamplingParams(**fields)
+        params = SamplingParams(**fields, structured_outputs=constraint)
     except ValueError as e:
         message = str(e).replace("max_tokens", name, 1) if str(e).startswith("max_tokens") else str(e)
         raise ApiError(message, param=next((f for f in (name, *fields) if message.startswith(f)), None)) from None
     return ParsedRequest(chat=chat, prompts=prompts, params=params, stream=stream,
                          include_usage=bool(options.get("include_usage", False)), logprobs=logprobs, model=model,
-                         max_tokens_given=max_tokens_given)
+                         max_tokens_given=max_tokens_given, constraint_field=constraint_field)
+
+
+def constraint_error(message: str, field: Optional[str]) -> ApiError:
+    """A 400 for a constraint that `StructuredOutputsParams` or the engine refused (its message starts with
+    "structured_outputs"), naming the request field that carried it when that was another one."""
+    if field is not None and field != "structured_outputs":
+        message = f"{message} (sent as '{field}')"
+    return ApiError(message, param=field)
+
+
+def _structured_outputs(data: dict) -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
+    """The request's output constraint, and the field that carried it (None, None without one): from
+    `response_format`, `structured_outputs` or a `guided_*` field; more than one is refused."""
+    found = []  # (where, field, StructuredOutputsParams field, value)
+    if data.get("response_format") is not None:
+        kind_value = _response_format(data["response_format"])
+        if kind_value is not None:
+            found.append(("response_format", "response_format", *kind_value))
+    spec = data.get("structured_outputs")
+    if spec is not None:
+        names = ", ".join(map(repr, KINDS))
+        if not isinstance(spec, dict):
+            raise ApiError(f"'structured_outputs' must be an object with one of {names}, got {spec!r:.40}",
+                           param="structured_outputs")
+        unknown = sorted(k for k in set(spec) - set(KINDS) if spec[k] not in STRUCTURED_NEUTRAL.get(k, ()))
+        if unknown:
+            raise ApiError(f"unsupported 'structured_outputs' field(s) {', '.join(map(repr, unknown))}; this server "
+                           f"understands {names}", param="structured_outputs")
+        given = [k for k in KINDS if spec.get(k) not in (None, False)]
+        if not given:
+            raise ApiError(f"'structured_outputs' needs one of {names}", param="structured_outputs")
+        found += [(f"structured_outputs.{k}", "structured_outputs", k, spec[k]) for k in given]
+    found += [(f, f, kind, data[f]) for f, kind in GUIDED.items() if data.get(f) is not None]
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise ApiError(f"a request takes one output constraint, got {len(found)} at once: "
+                       f"{', '.join(repr(where) for where, *_ in found)}; send only one", param=found[0][1])
+    ((where, field, kind, value),) = found
+    if kind == "choice" and not isinstance(value, list):
+        raise ApiError(f"'{where}' must be a list of non-empty strings, got {value!r:.40}", param=field)
+    try:
+        return StructuredOutputsParams(**{kind: value}), field
+    except ValueError as e:
+        raise constraint_error(str(e), field) from None
+
+
+def _response_format(fmt) -> Optional[tuple[str, Any]]:
+    """OpenAI's `response_format` as (StructuredOutputsParams field, value); None for `{"type": "text"}`."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    keys = {k for k, v in fmt.items() if v is not None} if isinstance(fmt, dict) else set()
+    if kind == "text" and keys == {"type"}:
+        return None
+    if kind == "json_object" and keys == {"type"}:
+        return "json_object", True
+    if kind == "json_schema" and keys == {"type", "json_schema"}:
+        spec = fmt["json_schema"]
+        where = "'response_format.json_schema'"
+        if not isinstance(spec, dict):
+            raise ApiError(f"{where} must be an object {{'name': str, 'schema': {{...}}, 'strict': bool}}, got "
+                           f"{spec!r:.40}", param="response_format")
+        unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+        if unknown:
+            raise ApiError(f"unsupported {where} field(s) {', '.join(map(repr, unknown))}; this server understands "
+                           "'name', 'schema', 'strict', 'description'", param="response_format")
+        if not isinstance(spec.get("name"), str):
+            raise ApiError(f"{where[:-1]}.name' must be a string (the schema's name), got {spec.get('name')!r:.40}",
+                           param="response_format")
+        if not isinstance(spec.get("schema"), dict):
+            raise ApiError(f"{where[:-1]}.schema' must be a JSON schema (an object), got {spec.get('schema')!r:.40}",
+                           param="response_format")
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise ApiError(f"{where[:-1]}.strict' must be true or false, got {spec['strict']!r:.40}",
+                           param="response_format")
+        if spec.get("description") is not None and not isinstance(spec["description"], str):
+            raise ApiError(f"{where[:-1]}.description' must be a string", param="response_format")
+        return "json", spec["schema"]
+    if kind in ("text", "json_object", "json_schema"):
+        fields = "'type'" + (", 'json_schema'" if kind == "json_schema" else "")
+        raise ApiError(f"'response_format' of type {kind!r} has the fields {fields} (no others), got "
+                       f"{', '.join(map(repr, sorted(keys)))}", param="response_format")
+    raise ApiError("'response_format' must be {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
+                   f"'json_schema': {{'name': ..., 'schema': {{...}}}}}}, got {fmt!r:.60}", param="response_format")
 
 
 def _messages(messages) -> list[dict]:

@@ -32,6 +32,7 @@ JSON error body (404, 405), as for every refused request. Start and stop are log
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import logging
@@ -145,7 +146,8 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = False
         self._failure: Optional[str] = None  # why the engine can step no more (`fail`)
-        engine.add_observer(lambda record: metrics.observe_step(engine, record))
+        self._observer = lambda record: metrics.observe_step(engine, record)
+        engine.add_observer(self._observer)
         self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
 
     def start(self) -> None:
@@ -157,6 +159,8 @@ class EngineLoop:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=60)
+        with contextlib.suppress(ValueError):  # the engine may outlive its server (a notebook's, a test's)
+            self.engine.remove_observer(self._observer)
 
     def add(self, request_id: str, prompt, params) -> asyncio.Queue:
         """Queues a request (raises ValueError when the engine refuses it); returns its output queue."""
@@ -309,6 +313,8 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig(), *,
         except ValueError as e:
             for rid, _ in queues:
                 loop.abort(rid)
+            if str(e).startswith("structured_outputs"):  # the constraint does not compile (engine.check_request)
+                raise api.constraint_error(str(e), parsed.constraint_field) from None
             raise api.ApiError(str(e)) from None
         return queues
 
