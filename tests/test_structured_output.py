@@ -160,3 +160,13 @@ def test_the_sampler_draws_only_allowed_tokens():
     assert set(tokens.tolist()) <= set(allowed_ids) and len(set(tokens[8:].tolist())) > 1
     best = max(allowed_ids, key=lambda t: float(logits[0, t]))
     assert (tokens[:8] == best).all()  # greedy: the most likely allowed token
+
+
+def test_ignore_eos_holds_under_a_constraint_that_could_end(llm):
+    prompt = llm.chat_prompt([{"role": "user", "content": "Hi"}])
+    any_text = {"regex": r"[^\x00]*"}
+    free, kept = llm.generate([prompt, prompt], [
+        SamplingParams(temperature=0, max_tokens=30, structured_outputs=any_text),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, structured_outputs=any_text)], use_tqdm=False)
+    assert free.outputs[0].finish_reason == "stop" and len(free.outputs[0].token_ids) < 30
+    assert kept.outputs[0].finish_reason == "length" and len(kept.outputs[0].token_ids) == 30

@@ -432,7 +432,7 @@ class LLMEngine:
                 targets.append(seq)
         if not sample_rows:  # every row a chunk of a prompt that goes on in a later step
             return inputs.shape_key, int(inputs.token_ids.shape[0]), 0
-        sample_rows = self._constrain(sample_rows, targets, verify)
+        sample_rows = self._constrain(sample_rows, targets, verify, group_of)
         num_top = max(g.params.num_top_logprobs for g in out.groups)
         samples = self.runner.sample(logits, sample_rows, num_top, shapes=self.shapes)
         now = time.monotonic()
@@ -468,9 +468,11 @@ class LLMEngine:
                 self.scheduler.finish_group(group)
         return inputs.shape_key, int(inputs.token_ids.shape[0]), num_sampled
 
-    def _constrain(self, sample_rows: list[SampleRow], targets: list[Sequence], verify: dict) -> list[SampleRow]:
+    def _constrain(self, sample_rows: list[SampleRow], targets: list[Sequence], verify: dict,
+                   group_of: dict) -> list[SampleRow]:
         """Structured output: the sample rows of constrained sequences, with the tokens their matchers
-        allow next (the others unchanged). A constrained sequence has one sample row (it drafts nothing)."""
+        allow next (the others unchanged; with `ignore_eos`, end-of-sequence tokens only once the
+        constraint allows nothing else). A constrained sequence has one sample row (it drafts nothing)."""
         if not self._matchers:
             return sample_rows
         rows, i = list(sample_rows), 0
@@ -481,6 +483,12 @@ class LLMEngine:
                 if bitmask is None:
                     bitmask = self.grammars.allocate_bitmask(len(rows))
                 fill_bitmask(matcher, bitmask, i)
+                if group_of[seq.seq_id].params.ignore_eos:
+                    words, kept = bitmask[i].view(np.uint32), bitmask[i].copy()
+                    for eos in self.eos_token_ids:
+                        words[eos // 32] &= ~np.uint32(1 << (eos % 32))
+                    if not words.any():  # end-of-sequence was all it allowed
+                        bitmask[i] = kept
                 rows[i] = dataclasses.replace(rows[i], allowed=bitmask[i])
             i += 1 + len(verify.get(seq.seq_id, ()))
         return rows
