@@ -142,8 +142,9 @@ class SchedulerOutput:
 
 class Scheduler:
     """See the module docstring. Speculative decoding (`num_speculative_tokens` > 0): `proposer`
-    (`jpaged.core.proposer`) drafts for the sequences granted lookahead slots, none past
-    `max_model_len` (the context) or past what its request may still generate."""
+    (`jpaged.core.proposer`; given here or set later, before the first step) drafts for the sequences
+    granted lookahead slots, none past `max_model_len` (the context) or past what its request may still
+    generate."""
 
     def __init__(self, block_manager: KVCacheManager, config: SchedulerConfig, *,
                  proposer: Optional[Proposer] = None, max_model_len: Optional[int] = None):

@@ -134,6 +134,9 @@ class LLMEngine:
         factory = kv_cache_manager or BlockManager.from_spec
         if parts > 1:
             factory = functools.partial(PartitionedBlockManager.from_spec, num_partitions=parts)
+        # the scheduler (its settings and the KV cache manager checked before the runner is built); its
+        # speculative-decoding proposer is attached below, once the runner exists
+        self.scheduler = Scheduler(factory(self.kv_cache_spec), scheduler_config, max_model_len=self.max_model_len)
         draft_layers = None  # self-drafting: the layers of the draft
         if config.speculative_method == "draft-layers":
             draft_layers = config.speculative_draft_layers or max(1, model_config.num_layers // 2)
@@ -162,8 +165,7 @@ class LLMEngine:
         self.spec_counts = {"num_proposed": 0, "num_accepted": 0,
                             "accepted_by_position": [0] * config.num_speculative_tokens,
                             "proposed_by_position": [0] * config.num_speculative_tokens}
-        self.scheduler = Scheduler(factory(self.kv_cache_spec), scheduler_config, proposer=self.proposer,
-                                   max_model_len=self.max_model_len)
+        self.scheduler.proposer = self.proposer
         # structured output: the grammar compiler (built at the first constrained request) and each
         # constrained sequence's matcher (seq_id -> llguidance.LLMatcher: generation state, the engine's)
         self._grammars: Optional[GrammarCompiler] = None
