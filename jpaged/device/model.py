@@ -142,10 +142,16 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
         x = x + (norm(out, p.post_mlp_norm) if c.sandwich_norms else out)
         return (x, pool), None
 
-    depth = c.num_layers if num_layers is None else num_layers
-    layers = params.layers if depth == c.num_layers else jax.tree.map(lambda a: a[:depth], params.layers)
-    layer_ids = jnp.arange(depth, dtype=jnp.int32)
-    (x, pool), _ = jax.lax.scan(layer, (x, cache.kv), (layers, layer_ids, layer_rope[:depth], windows[:depth]))
+    layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+    if num_layers is None or num_layers == c.num_layers:
+        (x, pool), _ = jax.lax.scan(layer, (x, cache.kv), (params.layers, layer_ids, layer_rope, windows))
+    else:  # the first layers: each indexed from the stack in its iteration (a slice of the stack would be a copy)
+        def first_layers(carry, inputs):
+            layer_id = inputs[0]
+            return layer(carry, (jax.tree.map(lambda a: a[layer_id], params.layers), *inputs))
+
+        (x, pool), _ = jax.lax.scan(first_layers, (x, cache.kv), (layer_ids[:num_layers], layer_rope[:num_layers],
+                                                                   windows[:num_layers]))
     x = norm(x, from_storage(params.final_norm))
     return KVCache(kv=pool), x
 
