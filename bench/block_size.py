@@ -2,7 +2,9 @@
 
 Every run is the real `LLMEngine` on the real default model (SmolLM2-135M-Instruct, float32), one
 LLM (its own KV pool and compiled step shapes) per block size. Every block size gets the same KV
-budget in token slots: `num_blocks = pool_slots / block_size + 1` (the null block on top).
+budget in token slots: `num_blocks = pool_slots / block_size + 1` (the null block on top). Every
+LLM schedules as the paper's vLLM did (`enable_chunked_prefill=False`; `make_llm`, shared with
+`bench/preemption.py`).
 
 Workload: token-id prompts of exact lengths from `bench/traces.py` (the log-normal ShareGPT-like
 and Alpaca-like fits of the paper's means), built by `bench.throughput.make_workload`: means and
@@ -67,6 +69,7 @@ def make_llm(loaded, block_size: int, pool_slots: int, max_model_len: int, **kwa
 
     if pool_slots % block_size:
         raise ValueError(f"pool_slots {pool_slots} is not a multiple of block size {block_size}")
+    kwargs.setdefault("enable_chunked_prefill", False)  # the paper's policy: results comparable with it
     return LLM(loaded=loaded, block_size=block_size, num_blocks=pool_slots // block_size + 1, dtype="float32",
                max_model_len=max_model_len, **kwargs)
 

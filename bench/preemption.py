@@ -5,7 +5,8 @@ each block size, two LLMs with the same KV budget in token slots (`num_blocks = 
 block_size + 1`) serve the same offline workload: one preempts by recompute (drop the blocks,
 re-prefill prompt + generated tokens later), the other by swap (copy the blocks to the CPU block
 pool, `swap_space` 1 GiB, which the engine caps at the device pool's size, and copy them back
-later). The pool is small enough that both preempt (asserted: `num_preemptions > 0`).
+later). The pool is small enough that both preempt (asserted: `num_preemptions > 0`). Both schedule
+as the paper's vLLM did (`enable_chunked_prefill=False`, through `bench.block_size.make_llm`).
 
 Workload: ShareGPT-like token-id prompts of exact lengths (`bench.throughput.make_workload`, the
 log-normal fit of the paper's means, scaled down 8x in the quick preset and 4x in the full one),

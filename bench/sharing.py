@@ -1,6 +1,7 @@
 """Memory saved by sharing KV blocks (paper, 6.3 and Figure 15) and a shared system prompt (6.4).
 
-Every run is the real `LLMEngine` on the real default model (SmolLM2-135M-Instruct, float32).
+Every run is the real `LLMEngine` on the real default model (SmolLM2-135M-Instruct, float32),
+scheduling as the paper's vLLM did (`enable_chunked_prefill=False`: results comparable with it).
 
 (a) Parallel sampling (n = 2, 4, 6) and beam search (width 2, 4, 6) on Alpaca prompts
 (`bench/data/alpaca_seed_prompts.jsonl`, the model's chat template; a seeded choice of prompts).
@@ -155,7 +156,8 @@ def run_sharing(loaded, preset: dict, seed: int, prompts_text: list[str]) -> dic
     # room for every sequence to hold a private copy (the unshared case): sharing never preempts
     num_blocks = max(preset["widths"]) * sum(blocks_for(len(p["prompt_token_ids"]) + preset["max_tokens"], bs)
                                              for p in prompts) + 16
-    llm = LLM(loaded=loaded, block_size=bs, num_blocks=num_blocks, dtype="float32")
+    llm = LLM(loaded=loaded, block_size=bs, num_blocks=num_blocks, dtype="float32",
+              enable_chunked_prefill=False)  # the paper's policy: results comparable with it
     # warm-up: compile the sampler and the shapes of the smallest configuration (compile time is excluded anyway)
     llm.generate(prompts[:2], SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=seed), use_tqdm=False)
     results = {"parallel": {}, "beam": {}}
@@ -245,7 +247,8 @@ def run_prefix(loaded, preset: dict, seed: int, prompts_text: list[str]) -> dict
     pool = dict(num_blocks=16 + max(  # every request holding a private copy: never preempts
         sum(blocks_for(len(p["prompt_token_ids"]) + preset["prefix_max_tokens"], bs) for p in requests(v))
         for v in range(len(SYSTEM_PROMPT_OPENINGS))))
-    llms = {mode: LLM(loaded=loaded, block_size=bs, dtype="float32", enable_prefix_caching=(mode != "off"), **pool)
+    llms = {mode: LLM(loaded=loaded, block_size=bs, dtype="float32", enable_prefix_caching=(mode != "off"),
+                      enable_chunked_prefill=False, **pool)  # the paper's policy
             for mode in PREFIX_MODES}
     # compile the sampler and decode shapes on short prompts that share no block with the timed rounds
     warm = [chat_prompt(tokenizer, [{"role": "user", "content": prompts_text[i]}]) for i in chosen[:2]]

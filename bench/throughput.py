@@ -6,6 +6,9 @@ same scheduler, kernels and KV pool; only memory management differs (the engine'
 Orca(Pow2) / Orca(Oracle) (`bench.baselines.orca`: they know each request's output length through
 an oracle, and run without the scheduler's watermark). One `ModelRunner` (parameters, KV pool,
 compiled step shapes) serves every run (`LLMEngine(..., runner=...)`), so a shape compiles once.
+Every system schedules as the paper's vLLM did (`enable_chunked_prefill=False`: each step a prefill
+of whole prompts or a decode), so that these results stay comparable with the paper's and with
+those published before the ragged step became jpaged's default.
 
 Workload: token-id prompts of exact lengths drawn from `bench/traces.py` (log-normal fits of the
 paper's ShareGPT / Alpaca means), `SamplingParams(temperature=0, max_tokens=output_len,
@@ -210,7 +213,7 @@ class Bench:
         from jpaged.engine import EngineConfig, LLMEngine
 
         config = EngineConfig(num_blocks=self.num_blocks, block_size=BLOCK_SIZE, dtype=self.dtype,
-                              max_model_len=max_model_len)
+                              max_model_len=max_model_len, enable_chunked_prefill=False)  # the paper's policy
         if system == "paged":
             engine = LLMEngine(config, loaded=self.model, runner=self.runner)
         else:

@@ -55,6 +55,8 @@ def main(argv=None) -> None:
                      "max_num_seqs": llm.engine.config.max_num_seqs,
                      "max_num_batched_tokens": llm.engine.scheduler.config.max_num_batched_tokens
                      if hasattr(llm.engine.scheduler, "config") else None,
+                     # jpaged as users get it: the ragged step (the default), not the paper's policy
+                     "enable_chunked_prefill": llm.engine.config.enable_chunked_prefill,
                      "engine_args": spec.get("engine_args", {}),
                      "enable_prefix_caching": llm.engine.config.enable_prefix_caching,
                      "attention_backend": llm.engine.runner.backend.name,  # what 'auto' chose
