@@ -8,9 +8,12 @@ Poisson process of `--rates` requests per second (open loop: a request is sent a
 whatever the server is doing). A share (`--long-share`, 20%) are long prompts of 1,500-2,000 tokens
 (drawn uniformly; each a chat of concatenated Alpaca seed tasks and their answers), several times
 the step budget `--max-num-batched-tokens` (256); the others are the chat-templated Alpaca seed
-prompts (119 of the 120, 77 tokens on average; the 120th, 1,350 tokens, is left out). Every request is sent as token ids to `POST /v1/completions` (so every server
-gets the same prompt tokens), streamed, greedy, exactly `--max-tokens` output tokens (`ignore_eos`),
-by the official `openai` client. `--concurrency C,...` runs closed loops of C clients instead.
+prompts (119 of the 120, 77 tokens on average; the 120th, 1,350 tokens, is left out). Every request
+is sent as token ids to `POST /v1/completions` (so every server gets the same prompt tokens),
+streamed, greedy, exactly `--max-tokens` output tokens (`ignore_eos`), by the official `openai`
+client. With few requests a level, the seeded schedule's own rate ((n - 1) / last arrival,
+`arrival_rate_realized` in the JSON) strays from the nominal one. `--concurrency C,...` runs closed
+loops of C clients instead.
 
 Per server and level: time between tokens (TBT: the gaps between a request's streamed tokens after
 its first, over every request of the level) p50 / p99 / max; time to first token (request sent ->
@@ -21,8 +24,9 @@ level (`jpaged_compiles_total` of /metrics, which counts what is built after the
 
 Servers, one after the other (never two at once), each on a free loopback port, with the same
 limits: float32, a 1 GiB KV cache, prefix caching off, `--max-num-seqs` 64, `--max-num-batched-tokens`
-256, the model's context (8,192). jpaged (`python -m jpaged.entrypoints.cli serve`, this venv; the working tree, or `--jpaged-commit`) compiles
-every step shape at start (its warm-up) into a persistent compilation cache: first a cold start
+256, the model's context (8,192). jpaged (`python -m jpaged.entrypoints.cli serve`, this venv; the
+working tree, or `--jpaged-commit`'s) compiles every step shape at start (its warm-up) into a
+persistent compilation cache: first a cold start
 into a fresh, empty `--compile-cache` directory (timed to a served /health, then stopped), then the
 measured server's warm start with the same directory; the paper-policy server starts with it too
 (it shares the decode and sampler executables, and compiles its own prefill shapes). vLLM: the server
@@ -33,12 +37,15 @@ start, then the levels.
 
 A shared machine: before each timed phase (the cold start, then each server's start and levels) the
 run waits until the 1-minute load average is below `--max-load` (0.7; polled every 30 s, at most
-`--max-wait` 45 minutes of waiting in the whole run); the load averages before and after every phase and level are in the JSON.
-The levels of one server then follow each other without a wait (the load average then includes the
-server's own work of the level before).
+`--max-wait` 45 minutes of waiting in the whole run: past it, the run goes on unwaited); the load
+averages before and after every phase and level are in the JSON. The levels of one server then
+follow each other without a wait (the load average then includes the server's own work of the
+level before).
 
-    python bench/serve_load.py --quick     # rates 0.4, 0.8 req/s, 12 requests each, 32 tokens (about 10 min)
-    python bench/serve_load.py             # rates 0.25, 0.5, 1 req/s, 32 requests each, 64 tokens
+    python bench/serve_load.py --quick     # rates 0.4, 0.8 req/s, 12 requests each, 32 tokens (6 min, and
+                                           # 3-4 min of waiting for the load average on a quiet machine)
+    python bench/serve_load.py             # rates 0.25, 0.5, 1 req/s, 32 requests each, 64 tokens (19 min,
+                                           # waits included, on a quiet machine)
     python bench/serve_load.py --servers jpaged,jpaged-paper --rates 1 --num-requests 20
     python bench/serve_load.py --concurrency 1,4,16         # closed loop instead
 
@@ -70,7 +77,8 @@ from bench import common  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smol"
 SERVERS = ("jpaged", "jpaged-paper", "vllm")
-LABELS = {"jpaged": "jpaged, ragged step (default)", "jpaged-paper": "jpaged, paper's policy (--no-enable-chunked-prefill)",
+LABELS = {"jpaged": "jpaged, ragged step (default)",
+          "jpaged-paper": "jpaged, paper's policy (--no-enable-chunked-prefill)",
           "vllm": "vLLM CPU, chunked prefill"}
 COLORS = {"jpaged": "tab:blue", "jpaged-paper": "tab:red", "vllm": "tab:green"}
 LONG_TOKENS = (1500, 2000)
@@ -84,8 +92,9 @@ LONG_INTRO = ("Here are tasks, each followed by a good answer. Read them all, th
 
 def load_prompts(seed: int) -> tuple[list[list[int]], list[list[int]]]:
     """(short, long) prompts as token ids: the chat-templated Alpaca seed prompts (as jpaged's
-    `LLM.chat_prompt` makes them) of at most SHORT_MAX_TOKENS tokens (119 of the 120), and `NUM_LONG_PROMPTS` chats of LONG_TOKENS tokens (uniform, seeded),
-    each the Alpaca seed tasks with their reference answers from its own starting task on, cut to length."""
+    `LLM.chat_prompt` makes them) of at most SHORT_MAX_TOKENS tokens (119 of the 120), and
+    `NUM_LONG_PROMPTS` chats of LONG_TOKENS tokens (uniform, seeded), each the Alpaca seed tasks with
+    their reference answers from its own starting task on, cut to length."""
     from bench.traces import read_alpaca
     from bench.vs_peers import load_requests
 
@@ -164,7 +173,8 @@ def jpaged_tree(commit: str, dest: Path) -> dict:
     """`jpaged/` and `pallas_kernels/` of `commit` (`git archive`: the working tree is not touched) in
     `dest`, with the native attention kernels built in the working tree (`*.so`, not in git) beside
     them; returns {"path", "commit"}."""
-    full = subprocess.run(["git", "rev-parse", commit], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    full = subprocess.run(["git", "rev-parse", commit], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
     archive = subprocess.run(["git", "archive", full, "jpaged", "pallas_kernels"], cwd=ROOT, capture_output=True,
                              check=True).stdout
     dest.mkdir(parents=True)
@@ -247,8 +257,8 @@ def jpaged_metrics(base: str) -> dict:
 
 def warm_up_line(log_path: Path) -> dict | None:
     """jpaged's '[jpaged] warmed up in S s: N executables (B built, H from the compilation cache)' line."""
-    found = re.search(r"warmed up in ([\d.]+) s: (\d+) executables \((\d+) built(?:, (\d+) from the compilation cache)?",
-                      log_path.read_text(errors="replace"))
+    found = re.search(r"warmed up in ([\d.]+) s: (\d+) executables \((\d+) built"
+                      r"(?:, (\d+) from the compilation cache)?", log_path.read_text(errors="replace"))
     if not found:
         return None
     return {"seconds": float(found[1]), "executables": int(found[2]), "built": int(found[3]),
@@ -390,11 +400,14 @@ def run_server(name: str, args, specs, primer, log_dir: Path, compile_cache: str
         out["primer_errors"] = [r["error"] for r in primed if "error" in r]
         compiles = jpaged_metrics(base) if is_jpaged else None
         if is_jpaged:
-            out["compiles_in_primer"] = compiles["jpaged_compiles_total"] - out["metrics_at_start"]["jpaged_compiles_total"]
+            out["compiles_in_primer"] = (compiles["jpaged_compiles_total"]
+                                         - out["metrics_at_start"]["jpaged_compiles_total"])
         for spec in specs:
             before = os.getloadavg()
             results, wall = run_level(base, spec, args.max_tokens)
             figures = {k: spec[k] for k in ("rate", "concurrency") if k in spec}
+            if "arrivals" in spec:  # the seeded schedule's own rate: few requests stray from the nominal one
+                figures["arrival_rate_realized"] = (len(spec["arrivals"]) - 1) / spec["arrivals"][-1]
             figures |= summarize_level(results, wall) | {"load_average_before": list(before),
                                                           "load_average_after": list(os.getloadavg())}
             if is_jpaged:  # executables built during this level (0 expected after the warm-up)
@@ -440,7 +453,8 @@ def _ms(x) -> str:
 
 def print_table(out: dict) -> None:
     key = "concurrency" if out["config"]["mode"] == "closed" else "rate"
-    print(f"{'server':13} {key:>5} {'req/s':>6} {'tok/s':>6} {'TBT p50':>8} {'p99':>6} {'max':>6} "
+    column = "C" if key == "concurrency" else key
+    print(f"{'server':13} {column:>5} {'req/s':>6} {'tok/s':>6} {'TBT p50':>8} {'p99':>6} {'max':>6} "
           f"{'TTFT p50':>9} {'p99':>6} {'compiles':>8}   (ms)")
     for name, server in out["servers"].items():
         if "error" in server:
@@ -469,22 +483,29 @@ def plot(out: dict, path: Path) -> None:
         xs = [lv[key] for lv in server["levels"]]
         c = COLORS[name]
         for stat, style in (("p50", "o-"), ("p99", "s--"), ("max", "^:")):
-            axes[0, 0].plot(xs, [lv["tbt_s"][stat] * 1e3 for lv in server["levels"]], style, color=c,
-                            label=f"{name} {stat}")
+            axes[0, 0].plot(xs, [lv["tbt_s"][stat] * 1e3 for lv in server["levels"]], style, color=c)
         for stat, style in (("p50", "o-"), ("p99", "s--")):
-            axes[0, 1].plot(xs, [lv["ttft_s"][stat] * 1e3 for lv in server["levels"]], style, color=c,
-                            label=f"{name} {stat}")
+            axes[0, 1].plot(xs, [lv["ttft_s"][stat] * 1e3 for lv in server["levels"]], style, color=c)
         axes[0, 2].plot(xs, [lv["output_tokens_per_s"] for lv in server["levels"]], "o-", color=c, label=name)
-    xlabel = "concurrent clients (closed loop)" if closed else "arrival rate, requests/s (Poisson)"
+    xlabel = "concurrent clients (closed loop)" if closed else "nominal arrival rate, requests/s (Poisson)"
     for ax, title, unit in ((axes[0, 0], "time between tokens", "ms"), (axes[0, 1], "time to first token", "ms"),
                             (axes[0, 2], "output tokens / s", "tokens / s")):
         ax.set_xlabel(xlabel)
         ax.set_ylabel(unit)
         ax.set_title(title)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+    if servers:
+        axes[0, 2].legend(fontsize=7)
     axes[0, 0].set_yscale("log")
     axes[0, 1].set_yscale("log")
+    from matplotlib.lines import Line2D
+
+    for ax, stats in ((axes[0, 0], (("p50", "o-"), ("p99", "s--"), ("max", "^:"))),
+                      (axes[0, 1], (("p50", "o-"), ("p99", "s--")))):
+        handles = [Line2D([], [], color=COLORS[n], label=n) for n in servers]
+        handles += [Line2D([], [], color="k", marker=m[0], ls=m[1:], label=stat) for stat, m in stats]
+        if servers:
+            ax.set_ylim(top=ax.get_ylim()[1] * 5)  # room for the legend above the lines
+        ax.legend(handles=handles, fontsize=7, ncol=2, loc="upper left")
     # the last level's gaps over time: each gap at the time its token arrived
     timeline = plt.subplot2grid((2, 3), (1, 0), colspan=2, fig=fig)
     axes[1, 0].remove()
@@ -521,7 +542,8 @@ def plot(out: dict, path: Path) -> None:
     cfg, cpu = out["config"], out["machine"]["cpu"]
     fig.suptitle(f"serving under load: {cfg['num_requests']} requests a level, {cfg['long_share']:.0%} of "
                  f"{LONG_TOKENS[0]}-{LONG_TOKENS[1]} tokens, {cfg['max_tokens']} output tokens, step budget "
-                 f"{cfg['max_num_batched_tokens']} tokens; {cpu.get('model_name')}, {out['machine']['cpu_count']} cores")
+                 f"{cfg['max_num_batched_tokens']} tokens; {cpu.get('model_name')}, "
+                 f"{out['machine']['cpu_count']} cores")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -583,7 +605,8 @@ def main(argv=None) -> dict:
     packages = common.PACKAGES + ("openai", "starlette", "uvicorn", "prometheus-client")
     long_lens = [len(p) for p in long]
     out = {"benchmark": "serve_load", "machine": common.machine_info(packages),
-           "config": {"mode": "closed" if args.concurrency else "poisson", "rates": None if args.concurrency else args.rates,
+           "config": {"mode": "closed" if args.concurrency else "poisson",
+                      "rates": None if args.concurrency else args.rates,
                       "concurrency": args.concurrency, "num_requests": args.num_requests,
                       "long_share": args.long_share, "max_tokens": args.max_tokens,
                       "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
