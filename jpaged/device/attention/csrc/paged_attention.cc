@@ -1,5 +1,6 @@
 // Paged attention on the CPU, as an XLA FFI handler: reads K/V blocks in place through the block
-// tables (no gather into new buffers), with an online softmax over tiles of 16 keys.
+// tables (no gather into new buffers), with an online softmax over tiles of keys (one vector of
+// scores each: 16 keys under AVX-512, 8 under AVX2, 4 in the portable build).
 //
 // Work items: a chunk of up to 16 query tokens of one row (a decode row is one chunk of one
 // token), with all its KV heads (the vector path: head_dim 64 or 128, up to 8 query heads per KV
@@ -9,8 +10,10 @@
 // Built three times by setup.py (AVX-512, AVX2 + FMA + F16C, portable), each a shared library that
 // exports the handler `JpagedPagedAttention`; jpaged/device/attention/native.py picks the variant
 // the CPU runs and registers it with jax.ffi. The code is plain C++ with GCC's vector extensions
-// (and `#pragma omp simd` loops in the generic path); the variants differ only in the instructions
-// the compiler may use.
+// (and `#pragma omp simd` loops in the generic path), written for vectors of kLanes floats, the
+// width of the variant's registers: a wider vector than the target's registers is no vector to GCC
+// (it lives in memory: the AVX2 build of 16-lane code made 6x the stack accesses of the AVX-512 one
+// and ran 4.4-8x slower, slower than the portable build).
 //
 // Operands (see native.py, which derives them from a step's ModelInputs):
 //   q        f32[N, H, D]            the packed new tokens' queries (H = KVH * G query heads)
@@ -44,6 +47,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -52,32 +56,45 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kTile = 16;         // keys per softmax update
-constexpr int kQueryChunk = 16;   // query tokens per work item (a prefill row has several)
-#ifndef JPAGED_PREFETCH_TILES
-#define JPAGED_PREFETCH_TILES 2
+// ---- vectors of kLanes floats (GCC's vector extensions): one register of the variant -----------
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
 #endif
-constexpr int kPrefetchTiles = JPAGED_PREFETCH_TILES;  // how far ahead the vector path prefetches
+
+constexpr int kTile = kLanes;     // keys per softmax update: a tile's scores are one vector
+constexpr int kQueryChunk = 16;   // query tokens per work item (a prefill row has several)
+#ifndef JPAGED_PREFETCH_KEYS
+#define JPAGED_PREFETCH_KEYS 32
+#endif
+constexpr int kPrefetchTiles = JPAGED_PREFETCH_KEYS / kTile;  // how far ahead the vector path prefetches
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// ---- 16-lane vectors (GCC's vector extensions) ------------------------------------------------
-//
-// One 512-bit register under AVX-512, two 256-bit ones under AVX2, four 128-bit ones in the
-// portable build.
+typedef float VF __attribute__((vector_size(4 * kLanes)));
+typedef int32_t VI __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t VU __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t VH __attribute__((vector_size(2 * kLanes)));
+typedef _Float16 VHF __attribute__((vector_size(2 * kLanes)));
 
-typedef float VF __attribute__((vector_size(64)));
-typedef int32_t VI __attribute__((vector_size(64)));
-typedef uint32_t VU __attribute__((vector_size(64)));
-typedef uint16_t VH __attribute__((vector_size(32)));
-typedef _Float16 VHF __attribute__((vector_size(32)));
+constexpr auto kLaneSeq = std::make_integer_sequence<int, kLanes>{};
 
 inline VF Splat(float x) { return VF{} + x; }
 
-const VI kLanes = VI{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+template <int... P>
+constexpr VI LaneIndices(std::integer_sequence<int, P...>) { return VI{P...}; }
+const VI kLaneIds = LaneIndices(kLaneSeq);  // 0, 1, ..., kLanes - 1
 
-// exp(x) on 16 lanes, for x <= 0 (scores minus their running maximum): Cephes' single-precision
+// x with lane i taken from lane i ^ S (S a power of two below kLanes): a butterfly of the lane tree.
+template <int S, int... P>
+inline VF SwapLanes(VF x, std::integer_sequence<int, P...>) { return __builtin_shufflevector(x, x, (P ^ S)...); }
+
+// exp(x) lane by lane, for x <= 0 (scores minus their running maximum): Cephes' single-precision
 // polynomial, within 2 ulp; x below -87 gives exp(-87), not 0 (callers mask what must be 0).
-inline VF ExpNonPositive16(VF x) {
+inline VF ExpNonPositive(VF x) {
   x = x < -87.0f ? Splat(-87.0f) : x;
   const VF shifter = Splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
   VF n = (x * 1.44269504088896341f + shifter) - shifter;
@@ -95,31 +112,26 @@ inline VF ExpNonPositive16(VF x) {
   return p * scale;
 }
 
-inline float ExpNonPositive(float x) { return ExpNonPositive16(Splat(x))[0]; }
+inline float ExpNonPositive(float x) { return ExpNonPositive(Splat(x))[0]; }
 
+template <int S = kLanes / 2>
 inline float MaxLanes(VF x) {
-  VF y = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  const VF y = SwapLanes<S>(x, kLaneSeq);
   x = x > y ? x : y;
-  y = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  x = x > y ? x : y;
-  y = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  x = x > y ? x : y;
-  y = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  x = x > y ? x : y;
+  if constexpr (S > 1) return MaxLanes<S / 2>(x);
   return x[0];
 }
 
+template <int S = kLanes / 2>
 inline float AddLanes(VF x) {
-  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  x += SwapLanes<S>(x, kLaneSeq);
+  if constexpr (S > 1) return AddLanes<S / 2>(x);
   return x[0];
 }
 
-// c * tanh(x / c) on 16 lanes (inv_c = 1 / c): logit soft-capping. tanh as Cephes' tanhf: an odd
+// c * tanh(x / c) lane by lane (inv_c = 1 / c): logit soft-capping. tanh as Cephes' tanhf: an odd
 // polynomial below 0.625, 1 - 2 / (exp(2|y|) + 1) above, within a few ulp.
-inline VF SoftCap16(VF x, float c, float inv_c) {
+inline VF SoftCap(VF x, float c, float inv_c) {
   const VF y = x * inv_c;
   const VF a = y < 0.0f ? -y : y;
   const VF z = y * y;
@@ -129,7 +141,7 @@ inline VF SoftCap16(VF x, float c, float inv_c) {
   small = small * z + 1.33314422036e-1f;
   small = small * z - 3.33332819422e-1f;
   small = small * z * a + a;
-  const VF e = ExpNonPositive16(-2.0f * a);  // exp(-2|y|); exp(-87) for |y| past 43.5, where tanh is 1
+  const VF e = ExpNonPositive(-2.0f * a);  // exp(-2|y|); exp(-87) for |y| past 43.5, where tanh is 1
   const VF large = 1.0f - 2.0f * e / (1.0f + e);
   const VF t = a < 0.625f ? small : large;
   return (y < 0.0f ? -t : t) * c;
@@ -218,7 +230,7 @@ inline int64_t ItemFirstKey(const Problem& p, const WorkItem& item) {
   return std::max<int64_t>(0, ItemKeys(p, item) - item.chunk_len - p.window + 1);
 }
 
-// The first lane of a tile (keys tile .. tile + 15) that the query at `q_pos` sees: 0 but in the
+// The first lane of a tile (keys tile .. tile + kTile - 1) that the query at `q_pos` sees: 0 but in the
 // window's first tiles.
 inline int FirstVisible(const Problem& p, int64_t q_pos, int64_t tile) {
   return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kTile, q_pos - p.window + 1 - tile)));
@@ -301,12 +313,12 @@ bool RunItem(const Problem& p, const WorkItem& item, std::vector<float>& buffer)
       }
       VF tile_scores;
       std::memcpy(&tile_scores, scores, sizeof tile_scores);  // lanes outside first .. visible - 1: masked below
-      if (p.softcap > 0.0f) tile_scores = SoftCap16(tile_scores, p.softcap, p.inv_softcap);
-      const VI in_view = (kLanes >= first) & (kLanes < visible);
+      if (p.softcap > 0.0f) tile_scores = SoftCap(tile_scores, p.softcap, p.inv_softcap);
+      const VI in_view = (kLaneIds >= first) & (kLaneIds < visible);
       tile_scores = in_view ? tile_scores : Splat(kNegInf);
       const float m_new = std::max(m[j], MaxLanes(tile_scores));
       const float alpha = m[j] == kNegInf ? 0.0f : ExpNonPositive(m[j] - m_new);
-      VF tile_probs = ExpNonPositive16(tile_scores - m_new);
+      VF tile_probs = ExpNonPositive(tile_scores - m_new);
       tile_probs = in_view ? tile_probs : VF{};
       std::memcpy(probs, &tile_probs, sizeof tile_probs);
       float sum = 0.0f;
@@ -340,14 +352,14 @@ bool RunItem(const Problem& p, const WorkItem& item, std::vector<float>& buffer)
 
 // ---- the vector path: head_dim 64 or 128, 1-8 query heads per KV head ---------------------------
 //
-// A tile's 16 scores sit in one 16-lane vector: each key's partial products (D / 16 vectors,
-// multiplied into one) are summed across lanes for 16 keys at once by a transposing reduction
-// tree, so the softmax (max, exp, sum) runs on whole vectors. The tree's first two levels run on
-// every 4 keys' products while they are in registers (SumLanes4Keys), the rest once per tile
-// (SumLanes16): a quarter of the stores and loads of keeping all 16 keys' products.
+// A tile's kLanes scores sit in one vector: each key's partial products (D / kLanes vectors,
+// multiplied into one) are summed across lanes for the tile's keys at once by a transposing
+// reduction tree, so the softmax (max, exp, sum) runs on whole vectors. The tree's first two levels
+// run on every 4 keys' products while they are in registers (SumLanes4Keys), the rest once per tile
+// (SumLanesTile): a quarter of the stores and loads of keeping all the tile's keys' products.
 
 template <PoolType T>
-inline VF Load16(const void* base, int64_t offset) {
+inline VF LoadLanes(const void* base, int64_t offset) {
   if constexpr (T == PoolType::kF32) {
     VF x;
     std::memcpy(&x, static_cast<const float*>(base) + offset, sizeof x);
@@ -366,26 +378,31 @@ inline VF Load16(const void* base, int64_t offset) {
   }
 }
 
-// The first two levels of the tree, on the products of keys 4i .. 4i + 3 (a[0..3]): one vector.
-inline VF SumLanes4Keys(const VF* a) {
-  VF b[2];
-  for (int i = 0; i < 2; ++i)
-    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  return __builtin_shufflevector(b[0], b[1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-         __builtin_shufflevector(b[0], b[1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+// Level J of the tree (J >= 1): a and b each hold 2^(J-1) keys' partial sums in runs of
+// 2 * (kLanes >> J) lanes, keys in order; the result holds their 2^J keys in runs of kLanes >> J lanes
+// (each run's two halves added), in order. Source lane of result lane p, `half` 0 or 1:
+constexpr int TreeSource(int J, int p, int half) {
+  const int run = kLanes >> J, per_input = 1 << (J - 1), key = p / run;
+  return (key / per_input) * kLanes + (key % per_input) * 2 * run + half * run + p % run;
 }
 
-// out[t] = the sum of key t's 16 lanes, for t = 0..15, from c[i] = SumLanes4Keys(keys 4i .. 4i + 3).
-inline VF SumLanes16(const VF* c) {
-  VF d[2];
-  for (int i = 0; i < 2; ++i)
-    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  VF e = __builtin_shufflevector(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  // lane 2m of e holds key bitrev3(m), lane 2m + 1 key 8 + bitrev3(m)
-  return __builtin_shufflevector(e, e, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+template <int J, int... P>
+inline VF TreeLevel(VF a, VF b, std::integer_sequence<int, P...>) {
+  return __builtin_shufflevector(a, b, TreeSource(J, P, 0)...) + __builtin_shufflevector(a, b, TreeSource(J, P, 1)...);
+}
+
+// Levels 1 and 2, on the products of keys 4i .. 4i + 3 (a[0..3]): one vector, runs of kLanes / 4.
+inline VF SumLanes4Keys(const VF* a) {
+  return TreeLevel<2>(TreeLevel<1>(a[0], a[1], kLaneSeq), TreeLevel<1>(a[2], a[3], kLaneSeq), kLaneSeq);
+}
+
+// out[t] = the sum of key t's lanes, for the tile's keys t = 0 .. kLanes - 1, from
+// c[i] = SumLanes4Keys(keys 4i .. 4i + 3): the levels past 2.
+inline VF SumLanesTile(const VF* c) {
+  if constexpr (kLanes == 4) return c[0];
+  if constexpr (kLanes == 8) return TreeLevel<3>(c[0], c[1], kLaneSeq);
+  if constexpr (kLanes == 16)
+    return TreeLevel<4>(TreeLevel<3>(c[0], c[1], kLaneSeq), TreeLevel<3>(c[2], c[3], kLaneSeq), kLaneSeq);
 }
 
 // The pool offsets (elements, head 0) of the n tokens at positions start .. start + n - 1 of a row
@@ -405,12 +422,12 @@ inline int TokenOffsets(const Problem& p, const int32_t* table, int64_t start, i
 // One work item of the vector path: query tokens chunk_start .. chunk_start + chunk_len - 1 of a
 // row (decode: its one token), every KV head: the row's blocks are read whole (a block's K and V,
 // every head, are one contiguous run of the pool), and each K or V row is loaded once for the
-// G query heads that read it. head_dim is C * 16. Query token i sees the keys at positions <= its
+// G query heads that read it. head_dim D is a multiple of kLanes. Query token i sees the keys at positions <= its
 // own and > its own - W. Tiles start at the first token's window (ItemFirstKey), so that a
 // windowed row reads about W keys, none of the blocks before. Returns false on a block outside
 // the pool.
 //
-// Per tile of 16 keys and query token: the scores of every query head (KV head by KV head, the
+// Per tile of keys and query token: the scores of every query head (KV head by KV head, the
 // group's query vectors in registers, so that the loads are K's alone), then the online softmax
 // of every query head together (independent chains the CPU overlaps), then the outputs KV head by
 // KV head. The tile kPrefetchTiles ahead is prefetched into L2 (PrefetchL2), its K rows through
@@ -419,9 +436,9 @@ inline int TokenOffsets(const Problem& p, const int32_t* table, int64_t start, i
 // and 120 rows x 480 on an AMD EPYC); past the item's last tile, that is the first tiles of
 // `next`, the item this thread runs next (if any), so that a row's first blocks do not wait on
 // memory either.
-template <PoolType T, int C, int G>
+template <PoolType T, int D, int G>
 bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
-  constexpr int D = C * 16;
+  constexpr int C = D / kLanes;  // vectors per head's row
   constexpr int64_t elem = ElementBytes(T);
   const int64_t H = p.H, KVH = p.KVH, Q = item.chunk_len;
   const int32_t* table = p.tables + static_cast<int64_t>(item.row) * p.M;
@@ -439,7 +456,7 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
   std::vector<float> m(Q * H, kNegInf), l(Q * H, 0.0f);
   const float* q_src = p.q + first_row * H * D;
   for (int64_t i = 0; i < Q * H * C; ++i) {
-    std::memcpy(&qv[i], q_src + 16 * i, sizeof(VF));
+    std::memcpy(&qv[i], q_src + kLanes * i, sizeof(VF));
     qv[i] *= p.scale;
   }
   int64_t offsets[kTile];  // of each key's token (head 0) in the pool
@@ -479,7 +496,7 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
             if (i == 0 && t < ahead_n) PrefetchL2(p.k, ahead[t] + h * D * elem, D * elem);
             if (t < visible) {
               VF k[C];
-              for (int c = 0; c < C; ++c) k[c] = Load16<T>(p.k, offsets[t] + h * D + 16 * c);
+              for (int c = 0; c < C; ++c) k[c] = LoadLanes<T>(p.k, offsets[t] + h * D + kLanes * c);
               for (int g = 0; g < G; ++g) {
                 s[g][u] = qh[g][0] * k[0];
                 for (int c = 1; c < C; ++c) s[g][u] += qh[g][c] * k[c];
@@ -492,17 +509,17 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
         }
       }
       // the online softmax of every query head: each head's scores and new running maximum, then
-      // the rescale factors exp(m_old - m_new) of 16 heads per vector exp (0 before the first key),
+      // the rescale factors exp(m_old - m_new) of kLanes heads per vector exp (0 before the first key),
       // then the probabilities
       for (int64_t j = 0; j < H; ++j) {
-        VF scores = SumLanes16(&partial[j * (kTile / 4)]);
-        if (p.softcap > 0.0f) scores = SoftCap16(scores, p.softcap, p.inv_softcap);
-        if (first > 0 || visible < kTile) scores = (kLanes >= first) & (kLanes < visible) ? scores : Splat(kNegInf);
+        VF scores = SumLanesTile(&partial[j * (kTile / 4)]);
+        if (p.softcap > 0.0f) scores = SoftCap(scores, p.softcap, p.inv_softcap);
+        if (first > 0 || visible < kTile) scores = (kLaneIds >= first) & (kLaneIds < visible) ? scores : Splat(kNegInf);
         tile_scores[j] = scores;
         m_new[j] = std::max(m[i * H + j], MaxLanes(scores));
       }
-      for (int64_t j0 = 0; j0 < H; j0 += 16) {
-        const int64_t heads = std::min<int64_t>(16, H - j0);
+      for (int64_t j0 = 0; j0 < H; j0 += kLanes) {
+        const int64_t heads = std::min<int64_t>(kLanes, H - j0);
         VF diff{};
         VI fresh{};
         for (int64_t j = 0; j < heads; ++j) {
@@ -510,12 +527,12 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
           fresh[j] = m_old == kNegInf;
           diff[j] = m_old == kNegInf ? 0.0f : m_old - m_new[j0 + j];
         }
-        const VF a = fresh != 0 ? VF{} : ExpNonPositive16(diff);
+        const VF a = fresh != 0 ? VF{} : ExpNonPositive(diff);
         for (int64_t j = 0; j < heads; ++j) alpha[j0 + j] = a[j];
       }
       for (int64_t j = 0; j < H; ++j) {
-        VF pr = ExpNonPositive16(tile_scores[j] - m_new[j]);
-        if (first > 0 || visible < kTile) pr = (kLanes >= first) & (kLanes < visible) ? pr : VF{};
+        VF pr = ExpNonPositive(tile_scores[j] - m_new[j]);
+        if (first > 0 || visible < kTile) pr = (kLaneIds >= first) & (kLaneIds < visible) ? pr : VF{};
         l[i * H + j] = l[i * H + j] * alpha[j] + AddLanes(pr);
         m[i * H + j] = m_new[j];
         std::memcpy(&probs[j * kTile], &pr, sizeof pr);
@@ -529,7 +546,7 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
         for (int t = first; t < visible; ++t) {
           if (i == 0 && t < ahead_n) PrefetchL2(p.v, ahead[t] + h * D * elem, D * elem);
           VF v[C];
-          for (int c = 0; c < C; ++c) v[c] = Load16<T>(p.v, offsets[t] + h * D + 16 * c);
+          for (int c = 0; c < C; ++c) v[c] = LoadLanes<T>(p.v, offsets[t] + h * D + kLanes * c);
           for (int g = 0; g < G; ++g) {
             const VF pt = Splat(probs[(h * G + g) * kTile + t]);
             for (int c = 0; c < C; ++c) a[g][c] += pt * v[c];
@@ -547,7 +564,7 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
     const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
     for (int c = 0; c < C; ++c) {
       VF x = acc[j * C + c] * inv;
-      std::memcpy(dst + j * D + 16 * c, &x, sizeof x);
+      std::memcpy(dst + j * D + kLanes * c, &x, sizeof x);
     }
   }
   return true;
@@ -557,25 +574,25 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
 // or null where the generic path serves it.
 using ChunkFn = bool (*)(const Problem&, const WorkItem&, const WorkItem* next);
 
-template <PoolType T, int C>
+template <PoolType T, int D>
 ChunkFn ChunkKernelFor(int64_t G) {
   switch (G) {
-    case 1: return RunRowChunk<T, C, 1>;
-    case 2: return RunRowChunk<T, C, 2>;
-    case 3: return RunRowChunk<T, C, 3>;
-    case 4: return RunRowChunk<T, C, 4>;
-    case 5: return RunRowChunk<T, C, 5>;
-    case 6: return RunRowChunk<T, C, 6>;
-    case 7: return RunRowChunk<T, C, 7>;
-    case 8: return RunRowChunk<T, C, 8>;
+    case 1: return RunRowChunk<T, D, 1>;
+    case 2: return RunRowChunk<T, D, 2>;
+    case 3: return RunRowChunk<T, D, 3>;
+    case 4: return RunRowChunk<T, D, 4>;
+    case 5: return RunRowChunk<T, D, 5>;
+    case 6: return RunRowChunk<T, D, 6>;
+    case 7: return RunRowChunk<T, D, 7>;
+    case 8: return RunRowChunk<T, D, 8>;
   }
   return nullptr;
 }
 
 template <PoolType T>
 ChunkFn ChunkKernelTyped(const Problem& p) {
-  if (p.D == 64) return ChunkKernelFor<T, 4>(p.G);
-  if (p.D == 128) return ChunkKernelFor<T, 8>(p.G);
+  if (p.D == 64) return ChunkKernelFor<T, 64>(p.G);
+  if (p.D == 128) return ChunkKernelFor<T, 128>(p.G);
   return nullptr;
 }
 
