@@ -25,6 +25,10 @@ It also checks the two backends agree.
     python bench/attention_cpu.py [--quick] [--reps 7] [--out bench/results]   # attention_cpu{,_quick}.json/.png
     python bench/attention_cpu.py --quick --dtypes float32 --block-sizes 16,32,64   # attention_cpu_block_sizes_quick
     python bench/attention_cpu.py --small-pages     # attention_cpu_small_pages.json/.png
+    python bench/attention_cpu.py --quick --variants avx512,avx2,portable   # attention_cpu_variants_quick
+
+`--variants` also times the native kernel's other builds side by side (`native_<variant>_ms`): what
+an AVX2-only or a non-x86 CPU gets from the kernel, measured on this one.
 """
 
 from __future__ import annotations
@@ -196,7 +200,7 @@ def seconds_of_step(fn, q, pool) -> float:
 
 
 def run_case(rows, context, dtype, reps, bandwidth, rng, reader=None, block_size=16, huge_pages=True,
-             log=print) -> dict:
+             variants=(), log=print) -> dict:
     import jax
 
     from jpaged.device.attention.native import NativeBackend, available_variants
@@ -208,7 +212,8 @@ def run_case(rows, context, dtype, reps, bandwidth, rng, reader=None, block_size
     packed = [_Row([0], int(n) - 1, [0], table) for n, table in zip(lens, tables)]
     inputs = pack_rows(packed, block_size=block_size, q_tile=1, k_tile=64)  # the runner's decode tiles
     q = rng.standard_normal((len(inputs.token_ids), HEADS, HEAD_DIM), np.float32)  # padded rows: see nothing
-    fns = {"native": step_fn(NativeBackend(), inputs), "xla": step_fn(XLABackend(), inputs)}
+    fns = {"native": step_fn(NativeBackend(), inputs), "xla": step_fn(XLABackend(), inputs),
+           **{f"native_{v}": step_fn(NativeBackend(variant=v), inputs) for v in variants}}
     outs = {name: jax.block_until_ready(fn(q, pool)) for name, fn in fns.items()}  # compile
     timers = {name: functools.partial(seconds_of_step, fn, q, pool) for name, fn in fns.items()}
     itemsize = np.dtype(np.float32 if dtype == "float32" else np.uint16).itemsize
@@ -238,11 +243,13 @@ def run_case(rows, context, dtype, reps, bandwidth, rng, reader=None, block_size
                   block_read_ms=blocks_ms, native_over_block_read=blocks_ms and ms["native"] / blocks_ms,
                   block_read_modes_ms=blocks_modes,
                   max_abs_difference=diff, native_variant=available_variants()[0],
+                  **{f"{name}_ms": ms[name] for name in fns if name.startswith("native_")},
                   runs_ms={name: [1e3 * sec for sec in t] for name, t in times.items()})
     blocks = f"  block read {blocks_ms:7.1f}" if blocks_ms else ""
     log(f"  {rows:>4} rows x {str(context):>6} {dtype:<8} blocks of {block_size:<3} bound {bound:7.1f} ms{blocks}  "
         f"native {ms['native']:7.1f}  "
-        f"xla {ms['xla']:8.1f}  native/bound {result['native_over_bound']:.2f}  xla/native "
+        f"xla {ms['xla']:8.1f}  " + "".join(f"{n} {ms[n]:7.1f}  " for n in fns if n.startswith("native_")) +
+        f"native/bound {result['native_over_bound']:.2f}  xla/native "
         f"{result['xla_over_native']:.1f}x  |diff| {diff:.1e}")
     return result
 
@@ -261,7 +268,8 @@ def plot(out: dict, path: Path) -> None:
         x = np.arange(len(cases))
         bars = [("read_bound_ms", "read bound (reading as many bytes sequentially)"),
                 ("block_read_ms", "reading the same blocks, no arithmetic"),
-                ("native_ms", "native kernel"), ("xla_ms", "XLA path")]
+                ("native_ms", "native kernel"), ("xla_ms", "XLA path"),
+                *((f"native_{v}_ms", f"native kernel, {v} build") for v in out.get("variants", ()))]
         bars = [(key, label) for key, label in bars if all(c.get(key) for c in cases)]
         width = 0.8 / len(bars)
         for i, (key, label) in enumerate(bars):
@@ -302,6 +310,8 @@ def main(argv=None) -> dict:
                         "others write attention_cpu_block_sizes*.json)")
     parser.add_argument("--small-pages", action="store_true", help="pools on 4 KiB pages, not on the huge pages the "
                         "engine asks for (writes attention_cpu_small_pages*.json)")
+    parser.add_argument("--variants", default="", help="native builds to time beside the best one, comma-separated "
+                        "(avx512, avx2, portable: those this CPU runs; writes attention_cpu_variants*.json)")
     args = parser.parse_args(argv)
     common.use_compile_cache(args)
     start = time.perf_counter()
@@ -315,13 +325,15 @@ def main(argv=None) -> dict:
     dtypes = args.dtypes.split(",")
     reader = build_block_reader()
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
+    variants = [v for v in args.variants.split(",") if v]
     cases = [run_case(rows, context, dtype, args.reps, bandwidth["bytes_per_s"], rng, reader, block_size,
-                      not args.small_pages)
+                      not args.small_pages, variants)
              for dtype in dtypes for rows, context in (QUICK if args.quick else FULL) for block_size in block_sizes]
     machine = {**common.machine_info(), "cpu": cpu_info()}  # the CPU model, its vector ISA and whether it has AMX
     out = dict(machine=machine, bandwidth=bandwidth, dtypes=dtypes, block_sizes=block_sizes, cases=cases,
-               reps=args.reps, huge_pages=not args.small_pages)
-    name = "attention_cpu" + ("" if block_sizes == [16] else "_block_sizes") + ("_small_pages" if args.small_pages else "")
+               reps=args.reps, huge_pages=not args.small_pages, variants=variants)
+    name = ("attention_cpu" + ("" if block_sizes == [16] else "_block_sizes") + ("_small_pages" if args.small_pages else "")
+            + ("_variants" if variants else ""))
     return common.report(out, Path(args.out), common.results_stem(name, args.quick), start, plot, print_table)
 
 
