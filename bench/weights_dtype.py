@@ -1,10 +1,12 @@
-"""16-bit parameters on a CPU: float32, bfloat16 and float16 weights (and KV pool), side by side.
+"""Parameter widths on a CPU: float32, bfloat16, float16 and int8 weights, side by side.
 
 `dtype="bfloat16"` / `"float16"` stores the parameters in 16 bits (on a CPU a bfloat16 leaf is held as
 its uint16 bit patterns: `jpaged.device.params.to_storage`), every matmul accumulates in float32 and
-the activations between matmuls are float32 (`jpaged.device.model`). A decode step of one row reads
-every weight once, so 16-bit weights halve what it reads. For each dtype, in one process, the
-dtypes alternating round after round:
+the activations between matmuls are float32 (`jpaged.device.model`). `int8` is `quantization="int8"`
+with float32 norms and KV pool: the dense weights int8 with a float32 scale per output channel
+(`jpaged.device.quant`). A decode step of one row reads every weight once, so 16-bit weights halve
+what it reads and int8 quarters it. For each width, in one process, the widths alternating round
+after round:
 
 - one stream: ms per output token of one greedy request (its decode steps: from its first token to
   its last), the median over the round's requests;
@@ -30,7 +32,8 @@ import numpy as np  # noqa: E402
 from bench import common  # noqa: E402
 from bench.traces import load_alpaca_prompts  # noqa: E402
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "int8")  # the parameters' widths (int8: quantization="int8")
+_SETTINGS = {"int8": dict(dtype="float32", quantization="int8")}  # the LLM arguments of each width
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
 
@@ -54,7 +57,8 @@ def run(num_requests: int, max_tokens: int, num_single: int, rounds: int, log=pr
 
     loaded = load_model(None)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llms = {dtype: LLM(loaded=loaded, dtype=dtype, num_blocks=num_requests * 8 + 8) for dtype in DTYPES}
+    llms = {dtype: LLM(loaded=loaded, num_blocks=num_requests * 8 + 8, **_SETTINGS.get(dtype, dict(dtype=dtype)))
+            for dtype in DTYPES}
     prompts = [llms["float32"].chat_prompt([{"role": "user", "content": p}])
                for p in load_alpaca_prompts()[:num_requests]]
     singles = prompts[:num_single]
@@ -86,6 +90,8 @@ def run(num_requests: int, max_tokens: int, num_single: int, rounds: int, log=pr
         prefix = _matching_prefix(batched_tokens[dtype], batched_tokens["float32"])
         single_prefix = _matching_prefix(single_tokens[dtype], single_tokens["float32"])
         runner_params = llm.engine.runner.params
+        stored = {id(x): x for x in jax.tree.leaves(runner_params)}  # a tied int8 head shares the embedding's
+        wq, runner_wq = llm.engine.model.params.layers.wq, runner_params.layers.wq
         median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         results[dtype] = dict(
             one_stream_ms_per_token=median(ms_per_token[dtype]), rounds_one_stream_ms_per_token=ms_per_token[dtype],
@@ -98,9 +104,9 @@ def run(num_requests: int, max_tokens: int, num_single: int, rounds: int, log=pr
             identical_requests=sum(p == max_tokens for p in prefix), mean_matching_prefix=sum(prefix) / len(prefix),
             one_stream_identical_requests=sum(p == max_tokens for p in single_prefix),
             one_stream_mean_matching_prefix=sum(single_prefix) / len(single_prefix),
-            parameters=str(llm.engine.model.params.layers.wq.dtype),
-            parameters_stored_as=str(runner_params.layers.wq.dtype),
-            parameter_bytes=int(sum(x.nbytes for x in jax.tree.leaves(runner_params))),
+            parameters=str(getattr(wq, "values", wq).dtype),
+            parameters_stored_as=str(getattr(runner_wq, "values", runner_wq).dtype),
+            parameter_bytes=int(sum(x.nbytes for x in stored.values())),
             pool_storage=str(llm.engine.runner.cache.kv.dtype), attention_backend=llm.engine.runner.backend.name)
     return results
 
@@ -122,7 +128,7 @@ def plot(out: dict, path: Path) -> None:
     b.set_ylabel("ms per output token, one stream")
     cpu = out["cpu"]
     isa = ",".join(f for f, on in cpu["isa"].items() if on)
-    fig.suptitle(f"parameter dtype on a CPU ({cpu['model_name']}, {cpu['nproc']} cores; {isa})", fontsize=8)
+    fig.suptitle(f"parameter width on a CPU ({cpu['model_name']}, {cpu['nproc']} cores; {isa})", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

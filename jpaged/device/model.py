@@ -43,6 +43,7 @@ from jpaged.device.batch import ModelInputs, pack_rows
 from jpaged.device.config import ModelConfig, rope_inv_freq
 from jpaged.device.kv_cache import KVCache
 from jpaged.device.params import LlamaParams, from_storage
+from jpaged.device.quant import QuantizedWeight, quantized_matmul, take_rows
 
 _SCRATCH_BLOCK_SIZE = 16
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -51,7 +52,10 @@ _LM_HEAD_CHUNK = 4096  # vocabulary columns per dot of a 16-bit LM head on a CPU
 
 def _matmul(spec: str, x, w):
     """`jnp.einsum(spec, x, w)` of float32 activations `x` and a parameter `w`, accumulated and returned
-    in float32; a 16-bit `w` takes `x` rounded to its dtype (a 16 x 16 -> 32-bit dot)."""
+    in float32; a 16-bit `w` takes `x` rounded to its dtype (a 16 x 16 -> 32-bit dot); an int8 `w`
+    (`QuantizedWeight`, whose layout says the same einsum) takes `x` as it is (`quantized_matmul`)."""
+    if isinstance(w, QuantizedWeight):
+        return quantized_matmul(x, w)
     return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
@@ -113,7 +117,7 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
     c = config
     norm = lambda x, w: rms_norm(x, w, c.rms_norm_eps, c.norm_offset)  # noqa: E731
     activation = _ACTIVATIONS[c.activation]
-    x = from_storage(params.embed[inputs.token_ids]).astype(jnp.float32)  # activations: float32
+    x = from_storage(take_rows(params.embed, inputs.token_ids)).astype(jnp.float32)  # activations: float32
     if c.embedding_scale != 1.0:
         x = x * jnp.asarray(c.embedding_scale, x.dtype)
     cos, sin, layer_rope = rope_tables(c, inputs)
@@ -169,12 +173,14 @@ def compute_logits(params: LlamaParams, hidden, *, config: ModelConfig) -> jax.A
 
 
 def _lm_head(hidden, w):
-    """hidden f[..., hidden] @ w [hidden, vocab] -> f32[..., vocab]. A 16-bit head on a CPU is a scan
-    over `_LM_HEAD_CHUNK` vocabulary columns at a time: XLA's CPU dot of one 16-bit row by the whole
-    [576, 49152] head of the default model took 50-80 ms (float32: 4-6 ms), in chunks 6 ms."""
+    """hidden f[..., hidden] @ w [hidden, vocab] -> f32[..., vocab]; an int8 head is one `_matmul`. A
+    16-bit head on a CPU is a scan over `_LM_HEAD_CHUNK` vocabulary columns at a time: XLA's CPU dot of
+    one 16-bit row by the whole [576, 49152] head of the default model took 50-80 ms (float32: 4-6 ms),
+    in chunks 6 ms."""
     vocab, size = w.shape[-1], _LM_HEAD_CHUNK
     num_chunks = vocab // size
-    if jnp.dtype(w.dtype).itemsize != 2 or num_chunks < 2 or jax.default_backend() != "cpu":
+    if (isinstance(w, QuantizedWeight) or jnp.dtype(w.dtype).itemsize != 2 or num_chunks < 2
+            or jax.default_backend() != "cpu"):
         return _matmul("...h,hv->...v", hidden, from_storage(w))
     rows = hidden.reshape(-1, hidden.shape[-1])
 

@@ -24,6 +24,10 @@ Layout (heads are an explicit axis everywhere, so sharding over heads is a layou
   final_norm  f[hidden]
   lm_head     f[hidden, vocab], or None when the embeddings are tied (logits = h @ embed.T)
 
+Weight-only int8 (`jpaged.device.quant.quantize_params`): the dense leaves (embed, lm_head, wq ... w_down)
+may be `QuantizedWeight`s, of the same logical shapes; a tied int8 model's lm_head is then `embed.T`, a
+view of the embedding's own arrays.
+
 q/k projections are in HF's (rotate-half) RoPE convention: llama.cpp's interleaved permutation
 is undone by the loader.
 
@@ -43,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from jpaged.device.quant import QuantizedWeight
 
 BF16_BITS = jnp.dtype(jnp.uint16)  # a bfloat16 parameter stored as its bit patterns (`to_storage`)
 
@@ -118,6 +124,10 @@ def check_params(params, config) -> None:
     if not isinstance(params, LlamaParams):
         raise ValueError(f"params must be a LlamaParams (jpaged.device.params), got {type(params).__name__}")
     expected = param_shapes(config)
+    tied_view = isinstance(params.lm_head, QuantizedWeight) and isinstance(params.embed, QuantizedWeight) \
+        and params.lm_head.values is params.embed.values
+    if expected.lm_head is None and tied_view:  # a tied int8 head (quantize_params): the embedding itself
+        params = params.replace(lm_head=None)
     if (params.lm_head is None) != (expected.lm_head is None):
         raise ValueError(f"params {'lack' if params.lm_head is None else 'have'} an lm_head, but this model's "
                          f"embeddings are {'untied' if params.lm_head is None else 'tied'}")
@@ -126,18 +136,22 @@ def check_params(params, config) -> None:
         if (have is None) != (want is None):
             raise ValueError(f"params.layers.{name} is {'missing' if have is None else 'present'}, but this "
                              f"model ({config.architecture}) {'has' if have is None else 'has no'} such leaf")
-    for (path, leaf), (_, want) in zip(jax.tree_util.tree_leaves_with_path(params), _shape_leaves(expected)):
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    for (path, leaf), (_, want) in zip(leaves, _shape_leaves(expected)):
         name = jax.tree_util.keystr(path).lstrip(".")
         shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
         if shape != want:
             raise ValueError(f"params.{name} has shape {shape}, this model's is {want}")
         if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"params.{name} has dtype {dtype}: parameters are floating-point")
+            raise ValueError(f"params.{name} has dtype {dtype}: parameters are floating-point (or QuantizedWeight)")
 
 
 def cast_params(params: LlamaParams, dtype) -> LlamaParams:
-    """Returns `params` with every floating leaf cast to `dtype`."""
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    """Returns `params` with every floating leaf cast to `dtype`; int8 weights (`QuantizedWeight`) stay as
+    they are."""
+    def cast(x):
+        return x.astype(dtype) if not isinstance(x, QuantizedWeight) and jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
 def to_storage(params: LlamaParams) -> LlamaParams:

@@ -13,6 +13,7 @@ from jpaged.core.proposer import NgramProposer, check_method
 from jpaged.core.scheduler import SchedulerConfig
 from jpaged.device.attention import BACKENDS
 from jpaged.device.kv_cache import parse_memory_size
+from jpaged.device.quant import check_quantization
 from jpaged.device.sharding import (ShardingStrategy, data_and_tensor_parallel, data_parallel, make_mesh,
                                     tensor_parallel)
 
@@ -27,7 +28,10 @@ class EngineConfig:
     block_size: tokens per KV block (a power of two). num_blocks: the whole device pool, the null
       block included; when None it is sized from `kv_cache_memory` (bytes, or e.g. '1GiB').
     dtype: of the parameters and the KV pool; every matmul accumulates in float32 and the activations
-      between them stay float32 (`jpaged.device.model`). attention_backend: 'auto' (Pallas on a GPU, the native
+      between them stay float32 (`jpaged.device.model`). quantization: None or 'int8' (weight-only:
+      the dense weights int8 with per-output-channel scales, a Q8_0 GGUF's blocks kept as they are;
+      norms, biases and the KV pool stay `dtype`; `jpaged.device.quant`); one device only.
+      attention_backend: 'auto' (Pallas on a GPU, the native
       kernel on a CPU where it was built, else XLA), 'native', 'pallas' or 'xla'; `interpret`
       runs the Pallas kernels in the interpreter.
     max_model_len: the longest sequence (prompt + output), at most the model's context.
@@ -65,6 +69,7 @@ class EngineConfig:
     num_blocks: Optional[int] = None
     kv_cache_memory: str | int = "1GiB"
     dtype: str = "float32"
+    quantization: Optional[str] = None
     attention_backend: str = "auto"
     interpret: bool = False
     max_model_len: Optional[int] = None
@@ -93,6 +98,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two (e.g. 16), got {b!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check_quantization(self.quantization)
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(map(repr, BACKENDS))}, "
                              f"got {self.attention_backend!r}")
@@ -108,6 +114,9 @@ class EngineConfig:
         for name, size in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
             if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+        if self.quantization is not None and (self.sharding is not None or tp * dp > 1):
+            raise ValueError(f"quantization={self.quantization!r} runs on one device: use tensor_parallel_size=1 and "
+                             "data_parallel_size=1 (no sharding), or quantization=None")
         if (self.sharding is None) != (self.mesh is None):
             raise ValueError("give sharding and mesh together (a ShardingStrategy and the jax.sharding.Mesh it uses)")
         if self.sharding is not None:

@@ -40,12 +40,14 @@ from jpaged.core.sequence import Sequence, SequenceGroup
 from jpaged.device.attention import get_backend
 from jpaged.device.kv_cache import bytes_per_block, check_pool_fits, num_blocks_for_memory, parse_memory_size
 from jpaged.device.params import LlamaParams, cast_params, check_params, num_params, to_storage
+from jpaged.device.quant import quantize_params
 from jpaged.device.runner import ModelRunner, SampleRow, WarmUp
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.draft import SelfDraftProposer
 from jpaged.engine.observer import StepObserver, StepRecord
 from jpaged.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jpaged.weights import LoadedModel, load_model, read_config
+from jpaged.weights.loader import load_gguf
 
 KVCacheManagerFactory = Callable[[KVCacheSpec], KVCacheManager]
 logger = logging.getLogger("jpaged")
@@ -118,11 +120,15 @@ class LLMEngine:
                                        + (model_config.vocab_size * model_config.hidden_size
                                           if model_config.tie_word_embeddings else 0))
             check_pool_fits(pool_config, config.block_size, dtype, num_blocks, num_cpu_blocks, params_bytes)
+        if loaded is None and config.quantization is not None and str(config.model).endswith(".gguf"):
+            loaded = load_gguf(pathlib.Path(config.model), self.param_dtype, config.quantization)  # Q8_0 kept int8
         if loaded is not None and loaded.params.embed.dtype != self.param_dtype:
             loaded = dataclasses.replace(loaded, params=cast_params(loaded.params, self.param_dtype))
         self.model = loaded if loaded is not None else load_model(config.model, dtype=self.param_dtype)
         if params is not None:
             self.model = dataclasses.replace(self.model, params=cast_params(params, self.param_dtype))
+        if config.quantization is not None:  # weight-only int8 (leaves already int8 stay as they are)
+            self.model = dataclasses.replace(self.model, params=quantize_params(self.model.params, config.quantization))
         self.tokenizer = self.model.tokenizer
         model_config = self.model.config
         self.kv_cache_spec = KVCacheSpec(num_blocks=num_blocks, block_size=config.block_size,

@@ -138,6 +138,9 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size when --num-blocks is not given")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="of the weights and the KV pool")
+    parser.add_argument("--quantization", default=None, choices=["int8"],
+                        help="weight-only: int8 dense weights with per-output-channel scales (a Q8_0 GGUF's blocks "
+                        "kept as they are); norms and the KV pool stay --dtype")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "pallas", "xla"],
                         help="auto: the Pallas kernels on a GPU, the native C++ kernel on a CPU (where it was "
                         "built at install), else the XLA path")
@@ -228,7 +231,7 @@ def engine_config(args):
 
     check_swap_space(args)
     return EngineConfig(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
-                        kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+                        kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, quantization=args.quantization,
                         attention_backend=args.attention_backend, interpret=args.interpret,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_chunked_prefill=args.enable_chunked_prefill,

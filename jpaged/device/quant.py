@@ -1,0 +1,187 @@
+"""Weight-only int8 parameters (`quantization="int8"`): int8 values and float scales, float32 compute.
+
+A `QuantizedWeight` replaces one parameter leaf of `jpaged.device.params` (a dense weight, layers
+stacked or not). Whatever the leaf's logical layout there (`wq` is [hidden, heads, head_dim], `embed`
+[vocab, hidden]), it is stored as GGUF and torch store a linear layer, one output channel per row:
+
+  values  i8[*stack, out, in]
+  scales  f32|f16[*stack, out, in // group_size]    w[o, k] = values[o, k] * scales[o, k // group_size]
+
+`group_size == in` is one scale per output channel (symmetric: scale = max|w| / 127 over the channel),
+what `quantize_params` makes from float parameters; `group_size == 32` with float16 scales is GGUF's
+Q8_0, whose blocks the loader keeps as they are (no float32 pass). The embedding's output channels are
+its vocabulary rows, so one set of scales serves the lookup (`take_rows`) and the tied LM head.
+`logical_shape` (static: the scan over layers slices `values` and `scales`, not it) and `in_axes` (which
+logical axes are contracted, a prefix or the last) say how the matmul maps back to the einsum it replaces.
+
+The product (`quantized_matmul`): up to `NATIVE_MAX_ROWS` rows (decode), the native kernel
+(`csrc/int8_matmul.cc`) reads each int8 weight once and widens it in registers; with more rows, or
+without the native library, XLA dequantizes and runs a float32 dot. XLA's CPU backend (jax 0.10.2) fuses
+the widening into the dot only for one row (a loop fusion); from two rows on it writes the whole float32
+matrix first and reads it back (XNNPACK's dot), which many rows pay for once. Measured on an AMD EPYC
+(2 cores, AVX-512), kernel alone, [576 x 1536] and [1536 x 576] int8 weights: the native kernel 1.5-9x
+faster than XLA's path for 1-8 rows, even at 32-64 rows, 2x slower at 128; the [576 x 49152] LM head:
+native 3-8x faster for 4-32 rows, even at 128 (a loaded machine: ratios, not times).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jpaged.device.attention import native
+
+QUANTIZATIONS = ("int8",)
+NATIVE_MAX_ROWS = 32  # rows up to which the native kernel beats XLA's dequantize-then-dot (module docstring)
+IN_AXES = {"embed": (1,), "lm_head": (0,), "wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": (0,),
+           "w_up": (0,), "w_down": (0,)}  # the contracted logical axes of each dense leaf of params.py
+
+
+@struct.dataclass
+class QuantizedWeight:
+    """An int8 parameter (see the module docstring). Invariants: `values` is int8 with a last axis
+    (`in`) that `scales`' last axis divides; both have the same leading axes; `in` is the product of
+    `logical_shape` over `in_axes` and `out` of the other axes."""
+
+    values: jax.Array
+    scales: jax.Array
+    logical_shape: tuple = struct.field(pytree_node=False)
+    in_axes: tuple = struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple:
+        """The logical shape (params.py's layout), the stacked layer axis included."""
+        return tuple(self.values.shape[:-2]) + tuple(self.logical_shape)
+
+    @property
+    def dtype(self):
+        """float32: what the weight computes in (its products and rows are float32, whatever its scales')."""
+        return jnp.dtype(jnp.float32)
+
+    @property
+    def group_size(self) -> int:
+        return self.values.shape[-1] // self.scales.shape[-1]
+
+    @property
+    def T(self) -> "QuantizedWeight":
+        """The transposed logical view of a 2-D weight ([vocab, hidden] <-> [hidden, vocab]): the same
+        arrays, so a tied LM head shares the embedding's memory."""
+        if len(self.logical_shape) != 2:
+            raise ValueError(f"only a 2-D weight has a transposed view, not one of shape {self.logical_shape}")
+        return QuantizedWeight(self.values, self.scales, self.logical_shape[::-1], (1 - self.in_axes[0],))
+
+
+def quantize(w, logical_shape: tuple, in_axes: tuple, group_size: int | None = None) -> QuantizedWeight:
+    """A float weight `w` f[*stack, *logical_shape] as int8 with symmetric scales (float32), one per output
+    channel (`group_size=None`) or per `group_size` input columns (it must divide them); `in_axes`: the
+    contracted axes of `logical_shape`. Rounds to nearest: |w - dequantize(q)| <= scale / 2."""
+    logical_shape, in_axes = tuple(logical_shape), tuple(in_axes)
+    w = jnp.asarray(w, jnp.float32)
+    stack = w.shape[:w.ndim - len(logical_shape)]
+    if w.shape[len(stack):] != logical_shape:
+        raise ValueError(f"a weight of shape {w.shape} does not end with the logical shape {logical_shape}")
+    out_axes = [a for a in range(len(logical_shape)) if a not in in_axes]
+    n_in = math.prod(logical_shape[a] for a in in_axes)
+    group = n_in if group_size is None else group_size
+    if group < 1 or n_in % group:
+        raise ValueError(f"group_size {group_size} does not divide the {n_in} input columns")
+    s = len(stack)
+    rows = jnp.transpose(w, [*range(s), *(s + a for a in out_axes), *(s + a for a in in_axes)])
+    blocks = rows.reshape(*stack, -1, n_in // group, group)
+    scales = jnp.max(jnp.abs(blocks), axis=-1) / 127.0
+    values = jnp.round(blocks / jnp.where(scales == 0, 1.0, scales)[..., None])
+    values = jnp.clip(values, -127, 127).astype(jnp.int8).reshape(*stack, -1, n_in)
+    return QuantizedWeight(values, scales, logical_shape, in_axes)
+
+
+def _out_axes(w: QuantizedWeight) -> list[int]:
+    return [a for a in range(len(w.logical_shape)) if a not in w.in_axes]
+
+
+def dequantize_rows(values, scales) -> jax.Array:
+    """f32[..., in]: int8 rows `values` [..., in] times their group scales `scales` [..., in // group]."""
+    groups = scales.shape[-1]
+    blocks = values.astype(jnp.float32).reshape(*values.shape[:-1], groups, -1)
+    return (blocks * scales.astype(jnp.float32)[..., None]).reshape(values.shape)
+
+
+def dequantize(w: QuantizedWeight) -> jax.Array:
+    """The float32 weight f32[*stack, *logical_shape] that `w` stands for."""
+    s = w.values.ndim - 2
+    out_axes = _out_axes(w)
+    rows = dequantize_rows(w.values, w.scales)
+    rows = rows.reshape(*rows.shape[:s], *(w.logical_shape[a] for a in out_axes),
+                        *(w.logical_shape[a] for a in w.in_axes))
+    order = out_axes + list(w.in_axes)  # the axes of `rows` after the stack, in logical terms
+    return jnp.transpose(rows, [*range(s), *(s + order.index(a) for a in range(len(w.logical_shape)))])
+
+
+def take_rows(w, ids) -> jax.Array:
+    """`w[ids]` of a float weight, or the float32 rows of an int8 one whose rows are its output channels
+    (the embedding: [vocab, hidden], `in_axes == (1,)`)."""
+    if not isinstance(w, QuantizedWeight):
+        return w[ids]
+    if w.in_axes != (1,) or w.values.ndim != 2:
+        raise ValueError(f"take_rows needs an unstacked [rows, columns] weight, not logical {w.logical_shape} "
+                         f"contracted over {w.in_axes}")
+    return dequantize_rows(w.values[ids], w.scales[ids])
+
+
+def quantized_matmul(x, w: QuantizedWeight) -> jax.Array:
+    """x f[..., *in] (the trailing axes: `w`'s contracted logical axes, in order) times an unstacked int8
+    weight -> f32[..., *out] (`w`'s other logical axes, in order): the einsum `w` replaces. Few rows
+    (at most `NATIVE_MAX_ROWS`) on a CPU with the native library: the native kernel; else XLA."""
+    if w.values.ndim != 2:
+        raise ValueError(f"a matmul takes one layer's weight, not a stack of shape {w.values.shape}")
+    num_in = len(w.in_axes)
+    batch = x.shape[:x.ndim - num_in]
+    out_shape = tuple(w.logical_shape[a] for a in _out_axes(w))
+    rows = x.reshape(-1, w.values.shape[1]).astype(jnp.float32)
+    target = _native_target() if rows.shape[0] <= NATIVE_MAX_ROWS else None
+    if target is not None:
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], w.values.shape[0]), jnp.float32))
+        y = call(rows, w.values, w.scales)
+    else:
+        y = jnp.dot(rows, dequantize_rows(w.values, w.scales).T, preferred_element_type=jnp.float32)
+    return y.reshape(*batch, *out_shape)
+
+
+def _native_target():
+    """The native kernel's FFI target name, or None where it cannot run (not a CPU, not built)."""
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        return native.int8_matmul_target()
+    except native.NativeUnavailable:
+        return None
+
+
+def check_quantization(quantization) -> None:
+    """Raises ValueError unless `quantization` is None or one of `QUANTIZATIONS`."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {', '.join(map(repr, QUANTIZATIONS))}, "
+                         f"got {quantization!r}")
+
+
+def quantize_params(params, quantization: str = "int8"):
+    """`params` (a `LlamaParams`) with every dense weight (`IN_AXES`) int8, one scale per output channel
+    (the embedding: per vocabulary row); norms and biases stay as they are, and so do leaves that are
+    already quantized (a Q8_0 file's blocks). Tied embeddings get `lm_head = embed.T`, the same arrays
+    viewed as [hidden, vocab] (what the runner makes of a float tied head by copying)."""
+    check_quantization(quantization)
+    if quantization is None:
+        return params
+
+    def q(name, w, stacked):
+        if w is None or isinstance(w, QuantizedWeight):
+            return w
+        return quantize(w, w.shape[1:] if stacked else w.shape, IN_AXES[name])
+
+    layers = params.layers.replace(**{name: q(name, getattr(params.layers, name), True)
+                                      for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")})
+    embed = q("embed", params.embed, False)
+    lm_head = embed.T if params.lm_head is None else q("lm_head", params.lm_head, False)
+    return params.replace(embed=embed, layers=layers, lm_head=lm_head)

@@ -1,0 +1,150 @@
+"""Weight-only int8 (`quantization="int8"`, `jpaged.device.quant`): the matmul (native kernel and XLA
+path) against a float64 numpy reference, a tiny Llama written as a Q8_0 GGUF by gguf-py's writer and
+quantizer against HF transformers loading the same file, and the default model's greedy agreement
+with float32."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jpaged.core.sampling_params import SamplingParams
+from jpaged.device.attention import native
+from jpaged.device.model import sequence_logits
+from jpaged.device.quant import (NATIVE_MAX_ROWS, QuantizedWeight, dequantize, quantize, quantize_params,
+                                 quantized_matmul, take_rows)
+from jpaged.engine import EngineConfig
+from jpaged.weights import loader
+from test_families import build_family
+import test_families_gguf
+from test_families_gguf import write_gguf
+
+tokenizer_fields = test_families_gguf.tokenizer_fields  # the fixture: the default model's tokenizer metadata
+
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+def _reference(x, values, scales):
+    """float64: x @ (values * scales per group).T"""
+    n, k = values.shape
+    w = values.astype(np.float64).reshape(n, scales.shape[1], -1) * scales.astype(np.float64)[..., None]
+    return x.astype(np.float64) @ w.reshape(n, k).T
+
+
+@pytest.mark.parametrize("k, n, group, scale_dtype", [(64, 19, 64, np.float32), (96, 33, 32, np.float16),
+                                                      (50, 7, 25, np.float32), (33, 5, 33, np.float16)])
+def test_int8_matmul_matches_float64(k, n, group, scale_dtype):
+    """Rows 1..9 (the native kernel where built) and more than NATIVE_MAX_ROWS (XLA), per-channel and
+    grouped scales, sizes that are not multiples of the 16-lane vectors."""
+    rng = np.random.default_rng(k * n)
+    values = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    scales = (rng.random((n, k // group)) * 0.02 + 0.001).astype(scale_dtype)
+    w = QuantizedWeight(jnp.asarray(values), jnp.asarray(scales), (k, n), (0,))
+    matmul = jax.jit(quantized_matmul)
+    for rows in [*range(1, 10), NATIVE_MAX_ROWS + 3]:
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        ref = _reference(x, values, scales)
+        np.testing.assert_allclose(np.asarray(matmul(x, w)), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        for variant in native.available_variants()[1:] if rows in (1, 9) else ():  # the other builds (AVX2, portable)
+            call = jax.ffi.ffi_call(native.int8_matmul_target(variant), jax.ShapeDtypeStruct((rows, n), jnp.float32))
+            np.testing.assert_allclose(np.asarray(call(x, values, scales)), ref, rtol=1e-5,
+                                       atol=1e-5 * np.abs(ref).max(), err_msg=variant)
+
+
+def test_native_kernel_is_the_few_row_path():
+    """Where the native libraries are built, a few-row product is one FFI call (not XLA's dot)."""
+    if not native.available_variants():
+        pytest.skip("native kernels not built here")
+    w = quantize(np.ones((64, 8), np.float32), (64, 8), (0,))
+    hlo = jax.jit(quantized_matmul).lower(jnp.ones((2, 64)), w).as_text()
+    assert "int8_matmul" in hlo and "dot_general" not in hlo
+
+
+def test_quantize_layouts_round_trip():
+    """Per-channel scales bound the error by half a step; the logical layouts (wo's two contracted
+    axes, the embedding's last) give the einsums they replace; the embedding lookup is its rows."""
+    rng = np.random.default_rng(0)
+    wo = rng.standard_normal((2, 3, 4, 8)).astype(np.float32)  # [L, heads, head_dim, hidden]
+    q = quantize(wo, (3, 4, 8), (0, 1))
+    assert q.shape == wo.shape and q.values.shape == (2, 8, 12) and q.scales.shape == (2, 8, 1)
+    step = np.abs(wo).max(axis=(1, 2), keepdims=True) / 127
+    assert np.all(np.abs(np.asarray(dequantize(q)) - wo) <= step / 2 + 1e-7)
+    layer = jax.tree.map(lambda a: a[1], q)  # what the scan over layers hands the model
+    attn = rng.standard_normal((5, 3, 4)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(quantized_matmul(attn, layer)),
+                               np.einsum("tnd,ndh->th", attn, np.asarray(dequantize(q))[1]), rtol=1e-5, atol=1e-5)
+    embed = quantize(rng.standard_normal((10, 8)).astype(np.float32), (10, 8), (1,), group_size=4)
+    h = rng.standard_normal((3, 8)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(quantized_matmul(h, embed)), h @ np.asarray(dequantize(embed)).T,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(quantized_matmul(h, embed.T)), h @ np.asarray(dequantize(embed)).T,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(take_rows(embed, jnp.asarray([3, 0]))),
+                                  np.asarray(dequantize(embed))[[3, 0]])
+
+
+def test_q8_0_gguf_matches_hf(tmp_path, monkeypatch, default_model, tokenizer_fields):
+    """A tiny Qwen2 (a Llama with q/k/v biases and tied embeddings) written as llama.cpp's converter
+    writes `--outtype q8_0` (every 2-D tensor Q8_0 by gguf-py's quantizer, 1-D ones float32) loads with
+    its Q8_0 blocks as they are, and gives the logits and greedy tokens of HF transformers loading the
+    same file."""
+    torch.set_num_threads(1)
+    model = build_family("qwen2", tmp_path / "hf", default_model.tokenizer)
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def add_q8_0(self, name, tensor, *args, **kwargs):
+        if tensor.ndim == 2:
+            return add_tensor(self, name, gguf.quants.quantize(tensor, Q8_0), raw_dtype=Q8_0)
+        return add_tensor(self, name, tensor, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_q8_0)
+    path = write_gguf(tmp_path / "tiny.q8_0.gguf", tmp_path / "hf", model.config, tokenizer_fields)
+    monkeypatch.undo()
+    loaded = loader.load_gguf(path, jnp.float32, quantization="int8")
+    wq = loaded.params.layers.wq
+    assert isinstance(wq, QuantizedWeight) and wq.scales.dtype == jnp.float16 and wq.group_size == 32
+    assert isinstance(loaded.params.embed, QuantizedWeight) and loaded.params.embed.group_size == 32
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    tokens = [1, 450, 4996, 17354, 1701, 432, 432, 9, 28]
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0].numpy()
+    (logits,) = sequence_logits(loaded.params, [tokens], config=loaded.config)
+    assert np.abs(ref).max() > 1.0
+    np.testing.assert_allclose(np.asarray(logits), ref, rtol=0, atol=1e-4)  # float32 compute on the same weights
+
+    from jpaged.entrypoints.llm import LLM
+    llm = LLM(loaded=loaded, quantization="int8", num_blocks=16)
+    ours = llm.generate([{"prompt_token_ids": tokens}], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                       ignore_eos=True))
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([tokens]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert list(ours[0].outputs[0].token_ids) == theirs[0, len(tokens):].tolist()
+
+
+def test_default_model_int8_agrees_with_float32(default_model, make_llm, llm):
+    """The default model quantized per output channel: greedy agreement with float32 (a floor, not
+    exactness: int8 rounding moves close logits)."""
+    prompts = ["The capital of France is", "1, 2, 3, 4, 5,", "def add(a, b):"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    reference = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    int8 = make_llm(quantization="int8")
+    assert isinstance(int8.engine.model.params.layers.w_down, QuantizedWeight)
+    ours = [r.outputs[0].token_ids for r in int8.generate(prompts, params)]
+    prefixes = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(ours, reference)]
+    assert np.mean(prefixes) >= 6, prefixes
+
+
+def test_bad_quantization_refused_before_loading():
+    with pytest.raises(ValueError, match="quantization must be None or one of 'int8'"):
+        EngineConfig(model="/nonexistent.gguf", quantization="int4")
+    with pytest.raises(ValueError, match="one device"):
+        EngineConfig(quantization="int8", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="quantization must be"):
+        quantize_params(None, "fp8")
