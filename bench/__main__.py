@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 QUICK = ["memory_utilization", "throughput", "vs_peers", "scheduler_overhead", "mfu", "attention_cpu"]
 FULL = QUICK + ["sharing", "block_size", "preemption", "kv_dtype", "checkpoint_load", "serve_load", "sampler",
-               "sliding_window", "weights_dtype", "speculative", "structured_output"]
+               "sliding_window", "weights_dtype", "speculative", "structured_output", "latency"]
 
 
 def main(argv=None) -> int:

