@@ -10,9 +10,17 @@ every scheduled sequence given a fake token, at two pool sizes (4,096 blocks of 
 default model's float32 KV, enough that nothing is preempted; and 65,536 blocks): milliseconds per
 decode step, median of 5 rounds of 200 steps. This is where the block manager's persistent tables show (bench/README.md).
 
-    python bench/scheduler_overhead.py [--quick] [--out bench/results]
+The host alone (`--stub-device`, issue 31): the real engine (scheduler, block manager, packing at the
+engine's buckets, sampling inputs, post-processing, detokenizer) on a `StubRunner`, whose model step and
+sampler return at once, so that a step is host time: milliseconds per decode step at 16, 64 and 256
+sequences (wall, and the stepping thread's CPU time, the steadier on a shared machine), split into parts
+by a profile; then, on a simulated device that takes `DEVICE_MS` a step, synchronous against
+`async_scheduling=True` steps, and the share of the host's time the overlap hides.
 
-Goal (issue 3): host time under 10% of step time at 256 sequences.
+    python bench/scheduler_overhead.py [--quick] [--stub-device] [--out bench/results]
+
+Goals: host time under 10% of step time at 256 sequences (issue 3); on the stub device, at most 3 ms of
+host time per decode step at 256 sequences (issue 31).
 """
 
 from __future__ import annotations
@@ -24,22 +32,78 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
+
+from jpaged.device.attention import get_backend  # noqa: E402
+from jpaged.device.kv_cache import KVCache  # noqa: E402
+from jpaged.device.runner import DeviceCall, ModelRunner  # noqa: E402
+from jpaged.device.sampler import SamplerOutput  # noqa: E402
 
 from bench.common import RESULTS_DIR, machine_info, results_stem, write_json  # noqa: E402
 
 PROMPT_LEN = 32
 WARMUP_STEPS = 2
+DEVICE_MS = 5.0  # the simulated device's decode step: a 135M model at 256 rows on a GPU takes a few ms
 
 
-def measure(loaded, num_seqs: int, decode_steps: int) -> dict:
+class StubRunner(ModelRunner):
+    """The real runner's host side (packing at the engine's buckets, sampling inputs, block-operation
+    arguments, reading results back) with every executable replaced by a numpy stand-in that returns at
+    once, so that a step's time is its host time. No KV pool is allocated (its shape only). The model
+    step returns [rows, 1] logits; the sampler's token for (seed, sample_index, step) is a hash of them
+    in [256, 33024), deterministic and in the tokenizer's text range, as a seeded sampler's is.
+
+    `device_step_s` > 0 simulates a device: each model step occupies it that long, from its dispatch or
+    the end of the work queued before it, and reading a step's samples (`fetch_samples`) sleeps until
+    the step is done, leaving the CPU to the host, as a GPU does."""
+
+    device_step_s = 0.0
+
+    def _new_pool(self, shape, dtype, kv=None) -> KVCache:
+        self._busy_until, self._ready_at = 0.0, {}
+        return KVCache(kv=jax.ShapeDtypeStruct(shape, dtype))
+
+    def _run(self, name: str, *args, **static):
+        self._calls.append(DeviceCall(name, (), 0.0, 0.0))
+        if name in ("prefill_step", "decode_step"):
+            self._busy_until = max(time.perf_counter(), self._busy_until) + self.device_step_s
+            return self.cache, np.zeros((args[2].logits_index.shape[0], 1), np.float32)
+        if name == "sample":
+            params, k = args[2], static["num_top"]
+            mixed = (params.seed.astype(np.uint64) * 40503 + params.sample_index.astype(np.uint64) * 977
+                     + params.step.astype(np.uint64) * 2654435761)
+            tokens = (mixed % 32768 + 256).astype(np.int32)
+            self._ready_at[id(tokens)] = self._busy_until
+            return SamplerOutput(tokens, np.zeros(len(tokens), np.float32), np.repeat(tokens[:, None], k, 1),
+                                 np.zeros((len(tokens), k), np.float32), np.zeros(len(tokens), bool))
+        if name == "read_blocks":
+            return np.zeros((self.cpu_kv.shape[0], len(args[1]), *self.cpu_kv.shape[2:]), self.cpu_kv.dtype)
+        return self.cache  # copy_blocks, write_blocks
+
+    def fetch_samples(self, parts: list[tuple]) -> dict[str, np.ndarray]:
+        wait = max(self._ready_at.pop(id(out.token_ids), 0.0) for out, _ in parts) - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return super().fetch_samples(parts)
+
+
+def decoding_engine(loaded, num_seqs: int, decode_steps: int, *, stub: bool = False, async_scheduling: bool = False):
+    """An engine with `num_seqs` requests of PROMPT_LEN random tokens, all prefilled and decoding (after
+    WARMUP_STEPS decode steps), each with room for `decode_steps` more. `stub`: on a `StubRunner` whose
+    attention backend is the GPU's (Pallas: block tables read, no attention plan)."""
     from jpaged import EngineConfig, LLMEngine, SamplingParams
     from jpaged.core.kv_cache_manager import blocks_for
 
     block_size = 16
     per_seq = blocks_for(PROMPT_LEN + WARMUP_STEPS + decode_steps + 2, block_size)
-    engine = LLMEngine(EngineConfig(num_blocks=num_seqs * per_seq + 8, block_size=block_size, max_num_seqs=num_seqs,
-                                    max_num_batched_tokens=max(2048, num_seqs * PROMPT_LEN)), loaded=loaded)
+    config = EngineConfig(num_blocks=num_seqs * per_seq + 8, block_size=block_size, max_num_seqs=num_seqs,
+                          max_num_batched_tokens=max(2048, num_seqs * PROMPT_LEN), async_scheduling=async_scheduling)
+    runner = None
+    if stub:
+        runner = StubRunner(loaded.config, loaded.params, num_blocks=config.num_blocks, block_size=block_size,
+                            backend=get_backend("pallas", interpret=True))
+    engine = LLMEngine(config, loaded=loaded, runner=runner)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=WARMUP_STEPS + decode_steps + 2, ignore_eos=True)
     for i in range(num_seqs):
@@ -50,6 +114,11 @@ def measure(loaded, num_seqs: int, decode_steps: int) -> dict:
     for _ in range(WARMUP_STEPS):
         engine.step()
     assert len(engine.scheduler.running) == num_seqs
+    return engine
+
+
+def measure(loaded, num_seqs: int, decode_steps: int) -> dict:
+    engine = decoding_engine(loaded, num_seqs, decode_steps)
     engine.timings.clear()
     t0 = time.perf_counter()
     for _ in range(decode_steps):
@@ -63,6 +132,77 @@ def measure(loaded, num_seqs: int, decode_steps: int) -> dict:
         "host_fraction": t["host_s"] / t["step_s"],
         "tokens_per_s": num_seqs * decode_steps / t["step_s"],
     }
+
+
+# the host's parts of a decode step, as the profile names them: (part, "file:function" whose cumulative time it is)
+PARTS = (("schedule", "scheduler.py:schedule"), ("pack", "runner.py:make_inputs"),
+         ("sample_inputs", "runner.py:dispatch_sample"), ("post_process", "llm_engine.py:_append_sample"),
+         ("outputs", "llm_engine.py:_request_output"), ("statistics", "llm_engine.py:_record_usage"))
+
+
+def measure_stub(loaded, num_seqs: int, steps: int, rounds: int = 5) -> dict:
+    """Host time per decode step on a `StubRunner`, where a step is host time alone: wall and CPU time
+    of the stepping thread (the CPU time is the steadier on a loaded machine), medians of `rounds`
+    rounds of `steps` steps; alternating with those, rounds with the objects alive at the start frozen
+    out of the cyclic garbage collector (`gc.freeze()`, as vLLM's engine core does after start-up).
+    Then one profiled round (cProfile) for the parts' shares (`PARTS`; "other": the rest), scaled
+    to the median CPU time."""
+    import cProfile
+    import gc
+    import pstats
+    import statistics
+
+    engine = decoding_engine(loaded, num_seqs, steps * (2 * rounds + 1), stub=True)
+    times: dict[str, list[float]] = {"wall": [], "cpu": [], "cpu_gc_frozen": []}
+    for _ in range(rounds):
+        for frozen in (False, True):
+            if frozen:
+                gc.collect()
+                gc.freeze()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for _ in range(steps):
+                engine.step()
+            wall, cpu = (time.perf_counter() - t0) / steps, (time.thread_time() - c0) / steps
+            if frozen:
+                gc.unfreeze()
+                times["cpu_gc_frozen"].append(cpu)
+            else:
+                times["wall"].append(wall)
+                times["cpu"].append(cpu)
+    profile = cProfile.Profile()
+    profile.runcall(lambda: [engine.step() for _ in range(steps)])
+    stats = pstats.Stats(profile).stats
+    cumulative = {f"{Path(file).name}:{name}": ct for (file, _, name), (_, _, _, ct, _) in stats.items()}
+    ms = {name: 1e3 * statistics.median(values) for name, values in times.items()}
+    parts = {part: ms["cpu"] * cumulative.get(key, 0.0) / cumulative["llm_engine.py:step"] for part, key in PARTS}
+    parts["other"] = ms["cpu"] - sum(parts.values())
+    return {"num_seqs": num_seqs, "steps": steps, "rounds": rounds, "host_ms": ms["wall"], "host_cpu_ms": ms["cpu"],
+            "host_cpu_ms_gc_frozen": ms["cpu_gc_frozen"], "parts_ms": parts,
+            "rounds_ms": {name: [1e3 * t for t in values] for name, values in times.items()}}
+
+
+def measure_overlap(loaded, num_seqs: int, steps: int, device_ms: float, rounds: int = 5) -> dict:
+    """Wall milliseconds per decode step on a `StubRunner` simulating `device_ms` of device time a step,
+    synchronous and with async scheduling (rounds alternating, medians), and the share of the host's time
+    a step no longer adds: (synchronous - async) / (synchronous - device), 1.0 when all of it is hidden
+    (the step then takes max(host, device))."""
+    import statistics
+
+    engines = {mode: decoding_engine(loaded, num_seqs, steps * (rounds + 1), stub=True, async_scheduling=mode)
+               for mode in (False, True)}
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for engine in engines.values():
+        engine.runner.device_step_s = device_ms / 1e3
+    for _ in range(rounds):
+        for mode, engine in engines.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            times[mode].append((time.perf_counter() - t0) / steps)
+    sync_ms, async_ms = (1e3 * statistics.median(times[mode]) for mode in (False, True))
+    return {"num_seqs": num_seqs, "device_ms": device_ms, "sync_step_ms": sync_ms, "async_step_ms": async_ms,
+            "host_hidden_fraction": (sync_ms - async_ms) / (sync_ms - device_ms),
+            "rounds_ms": {"sync": [1e3 * t for t in times[False]], "async": [1e3 * t for t in times[True]]}}
 
 
 def scheduler_alone(num_seqs: int, num_blocks: int, steps: int = 200, rounds: int = 5) -> dict:
@@ -101,10 +241,14 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer decode steps")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--stub-device", action="store_true",
+                        help="the host alone: a runner whose model step and sampler return at once (StubRunner)")
     args = parser.parse_args(argv)
     from jpaged.weights import load_model
 
     loaded = load_model(None)
+    if args.stub_device:
+        return main_stub(loaded, args)
     steps = 4 if args.quick else 10
     rows = []
     for num_seqs in (16, 64, 256):
@@ -123,6 +267,28 @@ def main(argv=None) -> dict:
               "rows": rows, "scheduler_alone": alone,
               "goal": {"host_fraction_at_256_below": 0.10, "met": rows[-1]["host_fraction"] < 0.10}}
     write_json(args.out / f"{results_stem('scheduler_overhead', args.quick)}.json", result)
+    return result
+
+
+
+def main_stub(loaded, args) -> dict:
+    steps = 10 if args.quick else 40
+    rows = []
+    for num_seqs in (16, 64, 256):
+        row = measure_stub(loaded, num_seqs, steps)
+        rows.append(row)
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in row["parts_ms"].items())
+        print(f"{num_seqs:4d} seqs, stub device: host {row['host_ms']:6.2f} ms a decode step, CPU {row['host_cpu_ms']:6.2f} "
+              f"({parts}); gc frozen: CPU {row['host_cpu_ms_gc_frozen']:6.2f}", flush=True)
+    overlap = measure_overlap(loaded, 256, steps, DEVICE_MS)
+    print(f" 256 seqs, simulated device of {DEVICE_MS} ms a step: synchronous {overlap['sync_step_ms']:.2f} ms a step, "
+          f"async scheduling {overlap['async_step_ms']:.2f}; host time hidden {overlap['host_hidden_fraction']:.0%}",
+          flush=True)
+    result = {"benchmark": "scheduler_overhead_stub", "machine": machine_info(),
+              "settings": {"prompt_len": PROMPT_LEN, "decode_steps": steps, "block_size": 16,
+                           "attention_backend": "pallas (stub: block tables packed, no attention plan)"},
+              "rows": rows, "overlap": overlap, "goal": {"host_cpu_ms_at_256_at_most": 3.0, "met": rows[-1]["host_cpu_ms"] <= 3.0}}
+    write_json(args.out / f"{results_stem('scheduler_overhead_stub', args.quick)}.json", result)
     return result
 
 

@@ -58,6 +58,7 @@ import math
 import time
 from typing import Optional, Sequence as Seq
 
+from jpaged.core.block_manager import BlockManager
 from jpaged.core.kv_cache_manager import DeviceOps, KVCacheManager, SwappingKVCacheManager, cache_computed
 from jpaged.core.proposer import DraftRequest, Proposer
 from jpaged.core.sequence import GroupStatus, Sequence, SequenceGroup
@@ -270,6 +271,22 @@ class Scheduler:
             output.finished.append(group)
         return output
 
+    def can_decode_all(self) -> bool:
+        """Whether the next decode step grows every running group by one token per live sequence with
+        no preemption (one partition; a group whose prompt is being prefilled counts as not)."""
+        if self.num_partitions != 1 or any(g.num_computed_tokens for g in self.running):
+            return False
+        return self._appends_fit([self._free_in(0)]) or self._demand(self.running) <= self._free_in(0)
+
+    def _appends_fit(self, free: list[int]) -> bool:
+        """A decode step's shortcut, without a block count per group: the paging `BlockManager` (whose
+        append takes at most one block a sequence: a new one or a copy) of one partition, with `free`
+        blocks for an append to every live running sequence, nothing swapped and no drafts (the readers
+        of what is left free afterwards)."""
+        return (isinstance(self.block_manager, BlockManager) and self.num_partitions == 1 and not self.swapped
+                and not (self.config.num_speculative_tokens and self.proposer)
+                and self._num_live_running() <= free[0])
+
     def _num_live_running(self) -> int:
         return sum(len(g.live_seqs) for g in self.running)
 
@@ -456,6 +473,8 @@ class Scheduler:
         running = sorted(self.running, key=lambda g: g.arrival_time)
         scheduled: list[SequenceGroup] = []
         free = [self._free_in(r) for r in range(self.num_partitions)]
+        if self._appends_fit(free):  # no group is preempted: the loop below would schedule them all, in order
+            scheduled, running = running, []
         while running:
             group = running.pop(0)
             rank = self._rank(group)
@@ -568,7 +587,7 @@ class Scheduler:
         if self.block_manager.has(seq.seq_id):
             start = seq.num_tokens - 1 - num_accepted
             self.block_manager = self.block_manager.commit_lookahead(
-                seq.seq_id, seq.token_ids[start:start + num_accepted])
+                seq.seq_id, seq.token_slice(start, start + num_accepted))
 
     def _swap_in(self, free: list[int]) -> tuple[list[SequenceGroup], DeviceOps]:
         """Brings swapped groups back (FCFS) while their blocks plus one more token each fit in their
@@ -631,6 +650,6 @@ class Scheduler:
         return sum(self._append_demand(g) for g in groups)
 
     def _row(self, seq: Sequence, start: int, end: int) -> Row:
-        return Row(token_ids=seq.token_ids[start:end], start_position=start,
+        return Row(token_ids=seq.token_slice(start, end), start_position=start,
                    slots=self.block_manager.slot_mapping(seq.seq_id, start, end),
                    block_table=self.block_manager.block_table(seq.seq_id))

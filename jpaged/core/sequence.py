@@ -52,6 +52,13 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return list(self.prompt_token_ids) + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """`token_ids[start:end]` (0 <= start <= end), without copying the whole history."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return list(self.prompt_token_ids[start:end]) + self.output_token_ids[:max(0, end - num_prompt)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -107,4 +114,4 @@ class SequenceGroup:
 
     @property
     def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.finished]
+        return [s for s in self.seqs if s.finish_reason is None]  # (`not s.finished`, without a call a sequence)

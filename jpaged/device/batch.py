@@ -29,6 +29,7 @@ meet is known ahead and compiled before serving (`LLMEngine.warm_up`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Callable, Sequence as Seq
 
 import jax
@@ -177,17 +178,22 @@ def _fill(rows: Seq, dims: StepDims, *, q_tile: int, blocks_per_tile: int, tiles
     logits_index = np.zeros(num_rows, np.int32)
     context_lens = np.zeros(num_rows, np.int32)
     block_tables = np.zeros((num_rows, width), np.int32)
-    start = 0
-    for b, r in enumerate(rows):
-        n, first = len(r.token_ids), r.start_position
-        token_ids[start:start + n] = r.token_ids
-        positions[start:start + n] = np.arange(first, first + n)
-        slots[start:start + n] = r.slots
-        logits_index[b] = start + n - 1
-        context_lens[b] = first + n
-        if tables:
-            block_tables[b, :len(r.block_table)] = r.block_table
-        start += n
+    # every row at once: one pass over the rows' lists each, then numpy over the packed tokens
+    num_real = len(rows)
+    lens = np.fromiter((len(r.token_ids) for r in rows), np.int32, num_real)
+    starts = np.fromiter((r.start_position for r in rows), np.int32, num_real)
+    ends = np.cumsum(lens, dtype=np.int32)
+    total = int(ends[-1]) if num_real else 0
+    token_ids[:total] = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in rows), np.int32, total)
+    slots[:total] = np.fromiter(itertools.chain.from_iterable(r.slots for r in rows), np.int32, total)
+    # a token's position: its row's start plus its index in the row (its packed index less the row's offset)
+    positions[:total] = np.repeat(starts - (ends - lens), lens) + np.arange(total, dtype=np.int32)
+    logits_index[:num_real] = ends - 1
+    context_lens[:num_real] = starts + lens
+    if tables:
+        table_lens = np.fromiter((len(r.block_table) for r in rows), np.int32, num_real)
+        block_tables[:num_real][np.arange(width) < table_lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(r.block_table for r in rows), np.int32, int(table_lens.sum()))
     num_q, num_k, num_pairs = dims.num_q, dims.num_k, dims.num_pairs
     q_index = np.zeros((num_q, q_tile), np.int32)
     q_positions = np.full((num_q, q_tile), -1, np.int32)

@@ -38,7 +38,7 @@ import functools
 import os
 import time
 import types
-from typing import Callable, Optional, Sequence as Seq
+from typing import Callable, NamedTuple, Optional, Sequence as Seq
 
 import jax
 import jax.numpy as jnp
@@ -56,9 +56,9 @@ from jpaged.device.sharding import ShardedBackend, ShardingStrategy, replicate_k
 P = jax.sharding.PartitionSpec
 
 
-@dataclasses.dataclass(frozen=True)
-class SampleRow:
-    """One token to draw: from logits row `row`, with these settings."""
+class SampleRow(NamedTuple):
+    """One token to draw: from logits row `row`, with these settings (a tuple: a step builds one a
+    sequence, and `ModelRunner.sample` reads them as columns)."""
 
     row: int
     temperature: float
@@ -285,6 +285,10 @@ class ModelRunner:
         self._calls: list[DeviceCall] = []
         self.compile_seconds = 0.0  # building executables, their untimed first runs included
         self.device_seconds = 0.0  # time inside compiled executables, synchronised (the rest of a step is host time)
+        # whether `_run` waits for each run's results (and times it); False (async scheduling): a run is
+        # dispatched and returns at once, its `DeviceCall.seconds` the dispatch's, and the host reads
+        # results when it needs them
+        self.synchronous = True
 
     def _new_pool(self, shape, dtype, kv=None) -> KVCache:
         """A pool of `shape` (zeros, or the host array `kv`), placed as the strategy says."""
@@ -362,7 +366,8 @@ class ModelRunner:
     def _run(self, name: str, *args, **static):
         """Runs executable `name` on `args`, building it first if this shape is new. A new
         executable runs once untimed before the timed run: every executable here is idempotent,
-        and the cache it takes donated (`_DONATED`) is threaded from the first run to the second."""
+        and the cache it takes donated (`_DONATED`) is threaded from the first run to the second.
+        Not `synchronous`: the run is dispatched and not waited for (its seconds are the dispatch's)."""
         shape = _shape_key(args, static)
         executable = self._executables.get((name, shape))
         compile_seconds = compile_cpu_seconds = 0.0
@@ -377,7 +382,9 @@ class ModelRunner:
                 args = args[:i] + (out[0] if isinstance(out, tuple) else out,) + args[i + 1:]
             compile_seconds, compile_cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
         t0, c0 = time.perf_counter(), time.process_time()
-        out = jax.block_until_ready(executable(*args))
+        out = executable(*args)
+        if self.synchronous:
+            out = jax.block_until_ready(out)
         seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
         self.compile_seconds += compile_seconds
         self.device_seconds += seconds
@@ -461,22 +468,33 @@ class ModelRunner:
         With `shapes` (an engine's buckets), the sampler runs on as many sample rows as `logits` has rows
         (several runs when there are more samples: a prefill's groups of n samples) and computes
         `shapes.top_bucket(num_top)` top log-probabilities, so that its shapes are those `warm_up` built."""
+        return self.fetch_samples(self.dispatch_sample(logits, rows, num_top, shapes=shapes))
+
+    def dispatch_sample(self, logits: jax.Array, rows: Seq[SampleRow], num_top: int, *,
+                        shapes: Optional[StepShapes] = None) -> list[tuple]:
+        """`sample`'s runs, dispatched and not read: (the sampler's output on the device, its rows) for each
+        run, for `fetch_samples`. A run's `token_ids` (i32[its padded rows]) may feed a later step."""
         if shapes is None:
             size, top = row_bucket(len(rows)), bucket(num_top) if num_top else 0
         else:
             size, top = logits.shape[0], shapes.top_bucket(num_top)
-        parts = [self._sample(logits, rows[i:i + size], size, top) for i in range(0, max(len(rows), 1), size)]
-        return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+        return [self._sample(logits, rows[i:i + size], size, top) for i in range(0, max(len(rows), 1), size)]
 
-    def _sample(self, logits, rows: Seq[SampleRow], size: int, num_top: int) -> dict[str, np.ndarray]:
+    @staticmethod
+    def fetch_samples(parts: list[tuple]) -> dict[str, np.ndarray]:
+        """The samples of `dispatch_sample`'s runs, read to the host (waiting for them): as `sample`."""
+        read = [(jax.device_get(out), k) for out, k in parts]
+        return {name: np.concatenate([getattr(out, name)[:k] for out, k in read])
+                for name in ("token_ids", "logprobs", "top_ids", "top_logprobs", "accepted")}
+
+    def _sample(self, logits, rows: Seq[SampleRow], size: int, num_top: int) -> tuple:
         dtypes = {"temperature": np.float32, "top_p": np.float32, "seed": np.uint32}
-        columns = {f.name: np.zeros(size, dtypes.get(f.name, np.int32)) for f in dataclasses.fields(SampleRow)
-                   if f.name != "allowed"}
-        columns["top_p"][:] = 1.0
-        columns["draft"][:] = -1
-        for i, r in enumerate(rows):
-            for name in columns:
-                columns[name][i] = getattr(r, name)
+        padding = {"top_p": 1.0, "draft": -1}
+        columns = {}
+        fields = SampleRow._fields[:-1]  # "allowed" (last) apart
+        for name, values in zip(fields, zip(*rows) if rows else [()] * len(fields)):
+            columns[name] = np.full(size, padding.get(name, 0), dtypes.get(name, np.int32))
+            columns[name][:len(values)] = values
         allowed = None
         masks = [(i, r.allowed) for i, r in enumerate(rows) if r.allowed is not None]
         if masks:  # every other row allows everything
@@ -488,11 +506,8 @@ class ModelRunner:
                                 step=columns["step"], draft=columns["draft"], allowed=allowed)
         use_filter = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0) for r in rows)
         use_random = any(r.temperature > 0 for r in rows)
-        out = jax.device_get(self._run("sample", logits, columns["row"], params, num_top=num_top,
-                                       use_filter=use_filter, use_random=use_random))
-        k = len(rows)
-        return {"token_ids": out.token_ids[:k], "logprobs": out.logprobs[:k],
-                "top_ids": out.top_ids[:k], "top_logprobs": out.top_logprobs[:k], "accepted": out.accepted[:k]}
+        return self._run("sample", logits, columns["row"], params, num_top=num_top, use_filter=use_filter,
+                         use_random=use_random), len(rows)
 
     # ---- block operations --------------------------------------------------------------------
 

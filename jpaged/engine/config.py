@@ -60,6 +60,14 @@ class EngineConfig:
       a 2-D mesh (`jpaged.device.sharding.data_and_tensor_parallel`).
     sharding / mesh: a `ShardingStrategy` and the `jax.sharding.Mesh` it lays the arrays out on
       (both, instead of tensor_parallel_size); the mesh must have every axis the strategy's rules name.
+    async_scheduling: overlap the host with the device (vLLM's name): while a decode step runs, the
+      host schedules and packs the next one, whose rows take their input tokens from the running
+      step's samples on the device, and reads those samples one step late (a sequence found finished
+      then has its extra row dropped and its blocks freed). Outputs are the synchronous engine's;
+      `step()` returns each step's outputs at the next call. A step runs ahead only from a plain
+      decode step with nothing waiting, swapped, queued or to preempt; beam search, structured output,
+      speculative decoding, prefix caching and data parallelism run synchronously (see
+      `LLMEngine._can_run_ahead`). Device times are then not measured (runs are not waited for).
     Every field is checked on construction, before anything is loaded (the scheduler's settings
     by `jpaged.core.scheduler.SchedulerConfig`).
     """
@@ -91,6 +99,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     sharding: Optional[ShardingStrategy] = None
     mesh: Optional[jax.sharding.Mesh] = None
+    async_scheduling: bool = False
 
     def __post_init__(self):
         b = self.block_size
@@ -145,6 +154,8 @@ class EngineConfig:
                                  f"K), got {self.num_speculative_tokens!r}")
         elif self.num_speculative_tokens:
             raise ValueError("num_speculative_tokens needs a speculative_method (--speculative-method ngram)")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         layers = self.speculative_draft_layers
         if layers is not None and not (isinstance(layers, int) and layers >= 1):
             raise ValueError(f"speculative_draft_layers must be an integer >= 1, got {layers!r}")

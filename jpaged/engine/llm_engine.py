@@ -25,12 +25,13 @@ import time
 from typing import Any, Callable, Optional, Sequence as Seq
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jpaged.core import beam_search
 from jpaged.core.block_manager import BlockManager
 from jpaged.core.partitioned import PartitionedBlockManager
-from jpaged.core.detokenizer import append_text, find_stop, stream_safe_length
+from jpaged.core.detokenizer import append_text, decoder, find_stop, stream_safe_length
 from jpaged.core.kv_cache_manager import (ForkingKVCacheManager, KVCacheManager, KVCacheSpec, blocks_for,
                                           kv_utilization)
 from jpaged.core.sampling_params import SamplingParams
@@ -51,6 +52,45 @@ from jpaged.weights.loader import load_gguf
 
 KVCacheManagerFactory = Callable[[KVCacheSpec], KVCacheManager]
 logger = logging.getLogger("jpaged")
+
+# async scheduling: the token a sequence holds for its sample still in flight (never read: its row's input
+# comes from the device, and the sample replaces it before anything looks at the tokens)
+_PLACEHOLDER = -1
+
+
+@jax.jit
+def _feed_tokens(token_ids, source, sampled):
+    """Packed input tokens with token i replaced by `sampled[source[i]]` where source[i] >= 0 (running
+    ahead: a row's input is its sequence's sample in the step before, still on the device)."""
+    return jnp.where(source >= 0, sampled[jnp.maximum(source, 0)], token_ids)
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step dispatched to the device (`LLMEngine._launch`): what applying its samples needs. `parts`:
+    the sampler's runs (`ModelRunner.dispatch_sample`; None: nothing sampled); `targets`: the sequences
+    sampled, in sample order; `verify`: seq_id -> draft tokens; `by_group`: request_id -> (sequence,
+    index of its first sample)."""
+
+    out: SchedulerOutput
+    shape: tuple
+    num_padded: int
+    parts: Optional[list]
+    targets: list
+    verify: dict
+    by_group: dict
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A scheduled step (async scheduling: not yet applied): its scheduler output, its dispatch (None:
+    nothing ran, or the dispatch failed), the groups it ended already (aborted, failed, finished by the
+    scheduler) by request id, and its scheduling seconds."""
+
+    out: SchedulerOutput
+    launched: Optional[_Launched]
+    progressed: dict
+    schedule_s: float
 
 
 class LLMEngine:
@@ -130,6 +170,7 @@ class LLMEngine:
         if config.quantization is not None:  # weight-only int8 (leaves already int8 stay as they are)
             self.model = dataclasses.replace(self.model, params=quantize_params(self.model.params, config.quantization))
         self.tokenizer = self.model.tokenizer
+        self._decode = decoder(self.tokenizer)  # incremental detokenization's decode
         model_config = self.model.config
         self.kv_cache_spec = KVCacheSpec(num_blocks=num_blocks, block_size=config.block_size,
                                          num_cpu_blocks=num_cpu_blocks,
@@ -185,6 +226,7 @@ class LLMEngine:
         self._aborts: collections.deque[str] = collections.deque()
         self._request_ids: set[str] = set()
         self._observers: list[StepObserver] = []
+        self._in_flight: Optional[_InFlight] = None  # async scheduling: the step dispatched, not yet applied
         self.peak_used_blocks = 0
         self.num_steps = 0
         # cumulative seconds: whole steps (compilation and statistics excluded), scheduling,
@@ -358,32 +400,94 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self._new) or self.scheduler.has_unfinished()
+            return bool(self._new) or self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step. Returns the requests that progressed (cumulative outputs)."""
+        """One scheduler step. Returns the requests that progressed (cumulative outputs). With
+        `async_scheduling`, a step's outputs come at the next call (`_step_async`)."""
+        self.runner.synchronous = not self.config.async_scheduling
+        if self.config.async_scheduling:
+            return self._step_async()
         start, cpu_start = time.perf_counter(), time.process_time()
         self.runner.take_calls()  # executables run outside a step (a user's own calls) are not this step's
-        aborted = self._drain_queues()
+        return self._complete(self._schedule_step(start), start, cpu_start)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Async scheduling: completes the step in flight (reads its samples, applies them) and leaves the
+        next one running. When the step in flight can be run ahead of (`_can_run_ahead`), the next step
+        is scheduled and dispatched first, its sequences holding a placeholder for the token in flight
+        (the block manager's view: one token further) and their rows fed that token on the device; the
+        placeholders become the tokens read. Otherwise the step in flight completes first and the next is
+        scheduled after it, as a synchronous engine does."""
+        start, cpu_start = time.perf_counter(), time.process_time()
+        previous, self._in_flight = self._in_flight, None
+        with self._lock:
+            queued = bool(self._new or self._aborts)  # (what is queued later waits for the next call)
+        run_ahead = previous is not None and not queued and self._can_run_ahead(previous)
+        if run_ahead:
+            for seq in previous.launched.targets:
+                seq.output_token_ids.append(_PLACEHOLDER)
+            self._in_flight = self._schedule_step(start, previous.launched)
+            return self._complete(previous, start, cpu_start, placeholders=True)
+        results = [] if previous is None else self._complete(previous, start, cpu_start)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        flight = self._schedule_step(start)
+        self._in_flight = flight if flight.out.rows or flight.progressed else None
+        return results
+
+    def _can_run_ahead(self, previous: "_InFlight") -> bool:
+        """Whether the next step may be scheduled before `previous`'s samples are read: `previous` a plain
+        decode step (one sampler run; no speculative decoding, beam search or structured output; no prefix
+        caching, whose hashes need the tokens, nor data parallelism), its sequences all that runs, nothing waiting or
+        swapped (nor queued: the caller checks), each sequence with room for two more tokens in the
+        context, and blocks for every one's next token. The next step then decodes exactly those
+        sequences, one token further, as a synchronous engine would once their tokens are known."""
+        launched, scheduler = previous.launched, self.scheduler
+        if (launched is None or launched.parts is None or len(launched.parts) != 1 or not previous.out.is_decode
+                or self.proposer is not None or self._matchers or self.kv_cache_spec.enable_prefix_caching
+                or self.num_partitions > 1 or scheduler.waiting or scheduler.swapped
+                or any(g.params.use_beam_search for g in previous.out.groups)):
+            return False
+        running = {seq.seq_id for g in scheduler.running for seq in g.live_seqs}
+        return (running == {seq.seq_id for seq in launched.targets}
+                and all(seq.num_tokens + 2 <= self.max_model_len for seq in launched.targets)
+                and scheduler.can_decode_all())
+
+    def _schedule_step(self, start: float, previous: Optional["_Launched"] = None) -> "_InFlight":
+        """Drains the queues (not when running ahead of `previous`: see `_step_async`), schedules a step and
+        dispatches it (`_launch`); a step that fails to dispatch fails its requests."""
+        aborted = self._drain_queues() if previous is None else []
         out = self.scheduler.schedule()
-        schedule_s = time.perf_counter() - start
-        progressed = {g.request_id: g for g in aborted + out.finished}
-        shape, num_padded, num_sampled = None, 0, 0
+        flight = _InFlight(out, None, {g.request_id: g for g in aborted + out.finished}, time.perf_counter() - start)
         if out.rows:
             try:
-                shape, num_padded, num_sampled = self._execute(out)
+                flight.launched = self._launch(out, previous)
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
-                progressed.update((g.request_id, g) for g in self._fail(out, e))
+                flight.progressed.update((g.request_id, g) for g in self._fail(out, e))
+        return flight
+
+    def _complete(self, flight: "_InFlight", start: float, cpu_start: float, *,
+                  placeholders: bool = False) -> list[RequestOutput]:
+        """Applies a dispatched step's samples (`_apply`), then its outputs, statistics and `StepRecord`."""
+        out, progressed = flight.out, flight.progressed
+        shape, num_padded, num_sampled = None, 0, 0
+        if out.rows:
+            if flight.launched is not None:
+                try:
+                    shape, num_padded, num_sampled = self._apply(flight.launched, placeholders=placeholders)
+                except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
+                    progressed.update((g.request_id, g) for g in self._fail(out, e))
             progressed.update((g.request_id, g) for g in out.groups)
-        for group in progressed.values():
-            if group.is_finished and self._matchers:
+        finished = [g for g in progressed.values() if g.is_finished]
+        if self._matchers:
+            for group in finished:
                 for seq in group.seqs:
                     self._matchers.pop(seq.seq_id, None)
         results = [self._request_output(g) for g in progressed.values()]
         with self._lock:
-            self._request_ids.difference_update(g.request_id for g in progressed.values() if g.is_finished)
+            self._request_ids.difference_update(g.request_id for g in finished)
         calls = self.runner.take_calls()
         compile_s = sum(c.compile_seconds for c in calls)
         seconds = time.perf_counter() - start - compile_s
@@ -396,11 +500,11 @@ class LLMEngine:
             cpu_seconds=cpu_seconds, compile_seconds=compile_s, kv=self.scheduler.block_manager,
             num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             num_swapped=len(self.scheduler.swapped), preempted=tuple(g.request_id for g in out.preempted),
-            finished=tuple(g.request_id for g in progressed.values() if g.is_finished))
+            finished=tuple(g.request_id for g in finished))
         self.num_steps += 1
         device = record.device_seconds
         self.timings["step_s"] += seconds
-        self.timings["schedule_s"] += schedule_s
+        self.timings["schedule_s"] += flight.schedule_s
         self.timings["device_s"] += device
         self.timings["host_s"] += seconds - device
         for observer in list(self._observers):
@@ -415,45 +519,66 @@ class LLMEngine:
             self._aborts.clear()
         return [g for g in map(self.scheduler.abort, aborts) if g is not None]
 
-    def _execute(self, out: SchedulerOutput) -> tuple[tuple, int, int]:
-        """Runs the step's block operations, model step and sampler, and applies the samples.
-        Returns (the model step's input shapes, its padded token count, tokens sampled)."""
+    def _launch(self, out: SchedulerOutput, previous: Optional["_Launched"] = None) -> "_Launched":
+        """Dispatches the step's block operations, model step and sampler (the samples not read). Running
+        ahead of `previous` (async scheduling), each row's input token is its sequence's sample there,
+        taken on the device."""
         self.runner.swap_out(out.ops.swap_out)
         self.runner.swap_in(out.ops.swap_in)
         self.runner.copy_blocks(out.ops.copy_pairs)
         inputs = self.runner.make_inputs(out.rows, decode=out.is_decode, shapes=self.shapes)
+        if previous is not None:  # a decode step over `previous`'s sequences: row (= packed token) i is row_seqs[i]
+            sample_of = {seq.seq_id: i for entries in previous.by_group.values() for seq, i in entries}
+            source = np.full(inputs.token_ids.shape[0], -1, np.int32)
+            source[:len(out.rows)] = [sample_of[seqs[0].seq_id] for seqs in out.row_seqs]
+            (sampled, _), = previous.parts
+            inputs = inputs.replace(token_ids=_feed_tokens(inputs.token_ids, source, sampled.token_ids))
         logits = self.runner.run_step(inputs, decode=out.is_decode)
         group_of = {s.seq_id: g for g in out.groups for s in g.seqs}
         sample_rows, targets = [], []
         verify = {}  # speculative decoding: seq_id -> its drafts (sampled in the rows after its own)
+        # request_id -> (sequence, the index of its first sample: its drafts' follow)
+        by_group: dict[str, list[tuple[Sequence, int]]] = collections.defaultdict(list)
         for row, seqs in enumerate(out.row_seqs):
             for seq in seqs:
                 group = group_of[seq.seq_id]
                 p = group.params
                 temperature = 0.0 if p.use_beam_search else p.temperature
-                step, drafts = len(seq.output_token_ids), out.drafts.get(seq.seq_id, (row, []))[1]
+                drafts = out.drafts[seq.seq_id][1] if seq.seq_id in out.drafts else ()
+                step = len(seq.output_token_ids)
+                by_group[group.request_id].append((seq, len(sample_rows)))
                 for j in range(len(drafts) + 1):  # row + j's logits verify draft j (the last: a bonus token)
                     sample_rows.append(SampleRow(row + j, temperature, p.top_k, p.top_p, group.seed,
                                                  seq.sample_index, step + j, drafts[j] if j < len(drafts) else -1))
                 if drafts:
                     verify[seq.seq_id] = drafts
                 targets.append(seq)
-        if not sample_rows:  # every row a chunk of a prompt that goes on in a later step
-            return inputs.shape_key, int(inputs.token_ids.shape[0]), 0
-        sample_rows = self._constrain(sample_rows, targets, verify, group_of)
-        num_top = max(g.params.num_top_logprobs for g in out.groups)
-        samples = self.runner.sample(logits, sample_rows, num_top, shapes=self.shapes)
+        parts = None
+        if sample_rows:  # (none: every row a chunk of a prompt that goes on in a later step)
+            sample_rows = self._constrain(sample_rows, targets, verify, group_of)
+            num_top = max(g.params.num_top_logprobs for g in out.groups)
+            parts = self.runner.dispatch_sample(logits, sample_rows, num_top, shapes=self.shapes)
+        return _Launched(out, inputs.shape_key, int(inputs.token_ids.shape[0]), parts, targets, verify, by_group)
+
+    def _apply(self, launched: "_Launched", *, placeholders: bool = False) -> tuple[tuple, int, int]:
+        """Reads a dispatched step's samples and applies them: tokens, text, stops, drafts, beams.
+        `placeholders`: its sequences hold a placeholder for the token read (a step ran ahead), replaced
+        now. A sequence that finished since the step was dispatched (async scheduling: a step earlier)
+        drops its sample. Returns (the model step's input shapes, its padded token count, tokens sampled)."""
+        if launched.parts is None:
+            return launched.shape, launched.num_padded, 0
+        samples = self.runner.fetch_samples(launched.parts)
+        samples.update(token_ids=samples["token_ids"].tolist(), logprobs=samples["logprobs"].tolist())
+        if placeholders:
+            for seq in launched.targets:
+                seq.output_token_ids.pop()
         now = time.monotonic()
-        num_sampled = len(targets)  # tokens appended: one per sequence, one more per accepted draft
-        by_group: dict[str, list[tuple[Sequence, int]]] = collections.defaultdict(list)
-        i = 0
-        for seq in targets:  # each sequence's first sample, its drafts' after it
-            by_group[group_of[seq.seq_id].request_id].append((seq, i))
-            i += 1 + len(verify.get(seq.seq_id, ()))
-        for group in out.groups:
-            entries = by_group[group.request_id]
-            if not entries:
-                continue  # its prompt is being prefilled
+        verify, num_sampled = launched.verify, 0  # tokens appended: one per sequence, one more per accepted draft
+        for group in launched.out.groups:
+            entries = [(seq, i) for seq, i in launched.by_group.get(group.request_id, ()) if not seq.finished]
+            if not entries or group.is_finished:
+                continue  # its prompt is being prefilled, or it finished a step earlier
+            num_sampled += len(entries)
             if group.first_token_time is None:
                 group.first_token_time = now
             if group.params.use_beam_search:
@@ -474,7 +599,7 @@ class LLMEngine:
                         self.scheduler.commit_drafts(seq, num_accepted)
             if not group.live_seqs:
                 self.scheduler.finish_group(group)
-        return inputs.shape_key, int(inputs.token_ids.shape[0]), num_sampled
+        return launched.shape, launched.num_padded, num_sampled
 
     def _constrain(self, sample_rows: list[SampleRow], targets: list[Sequence], verify: dict,
                    group_of: dict) -> list[SampleRow]:
@@ -497,7 +622,7 @@ class LLMEngine:
                         words[eos // 32] &= ~np.uint32(1 << (eos % 32))
                     if not words.any():  # end-of-sequence was all it allowed
                         bitmask[i] = kept
-                rows[i] = dataclasses.replace(rows[i], allowed=bitmask[i])
+                rows[i] = rows[i]._replace(allowed=bitmask[i])
             i += 1 + len(verify.get(seq.seq_id, ()))
         return rows
 
@@ -505,7 +630,7 @@ class LLMEngine:
         """Appends sample `i` to `seq` (with its log-probabilities as asked); False when the sequence
         stopped with it (and was finished). A constrained sequence's matcher consumes the token, and
         the sequence stops ("stop") when its constraint is complete."""
-        token, logprob, top = int(samples["token_ids"][i]), float(samples["logprobs"][i]), None
+        token, logprob, top = samples["token_ids"][i], samples["logprobs"][i], None
         if group.params.logprobs is not None:  # the k most likely tokens, and the one chosen
             k = group.params.logprobs
             top = dict(zip(samples["top_ids"][i][:k].tolist(), samples["top_logprobs"][i][:k].tolist()))
@@ -572,7 +697,7 @@ class LLMEngine:
         string, whose text is cut; "length": max_tokens or the context), or None."""
         p = group.params
         token = seq.last_token_id
-        new_text = append_text(self.tokenizer, seq)
+        new_text = append_text(self._decode, seq)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
         cut = find_stop(seq.text, p.stop, len(new_text))
@@ -606,7 +731,11 @@ class LLMEngine:
         """What a paused engine keeps on the host, as objects to pickle together (one pickle keeps the
         sharing between queues, groups and sequences): the scheduler (KV cache manager snapshot,
         queues, groups with their sequences and beam state), requests queued or aborted since the last
-        step, the seed generator, the next sequence id and the statistics."""
+        step, the seed generator, the next sequence id and the statistics. Not while a step is in
+        flight (async scheduling): step until `has_unfinished()` is False first."""
+        if self._in_flight is not None:
+            raise ValueError("a step is in flight (async_scheduling): call save once has_unfinished() is False, "
+                             "or save a synchronous engine")
         with self._lock:
             next_seq_id = next(self._seq_ids)
             self._seq_ids = itertools.count(next_seq_id)
@@ -654,7 +783,7 @@ class LLMEngine:
         if p.use_beam_search:
             seqs = sorted(group.seqs, key=lambda s: -s.cumulative_logprob)
         else:
-            seqs = sorted(group.seqs, key=lambda s: s.sample_index)
+            seqs = group.seqs if len(group.seqs) == 1 else sorted(group.seqs, key=lambda s: s.sample_index)
         return [CompletionOutput(i, seq.text if seq.finished else seq.text[:stream_safe_length(seq.text, p.stop)],
                                  list(seq.output_token_ids), seq.cumulative_logprob, seq.finish_reason,
                                  list(seq.output_logprobs) if p.logprobs is not None else None)

@@ -172,6 +172,9 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--swap-space", type=float, default=4.0, metavar="GiB",
                         help="GiB of CPU block pool for --preemption-mode swap (capped at the device pool's size)")
     parser.add_argument("--enable-prefix-caching", action="store_true", help="reuse the KV blocks of shared prompt prefixes")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="schedule and pack the next decode step while one runs, reading its tokens a step late "
+                        "(the same outputs; EngineConfig.async_scheduling)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="devices to split the model and the KV pool over by heads (on a CPU, force devices "
                         "with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
@@ -243,6 +246,7 @@ def engine_config(args):
                         preemption_mode=args.preemption_mode,
                         swap_space=args.swap_space if args.preemption_mode == "swap" else 0.0,
                         enable_prefix_caching=args.enable_prefix_caching,
+                        async_scheduling=args.async_scheduling,
                         tensor_parallel_size=args.tensor_parallel_size,
                         data_parallel_size=args.data_parallel_size)
 
