@@ -1,5 +1,5 @@
 """Builds jpaged's native CPU kernels (optional: see jpaged/device/attention/native.py): paged attention and
-the int8 weight matmul (jpaged/device/quant.py).
+the few-row weight matmuls, int8 and 16-bit (jpaged/device/quant.py).
 
 The C++ sources are compiled once per instruction set, each into its own shared library beside
 native.py, which picks at run time the best one the CPU runs. No -march=native: what is built runs
@@ -60,7 +60,8 @@ class OptionalBuildExt(build_ext):
 def variant(name, flags):
     return Extension(f"jpaged.device.attention._native_{name}", sources=SOURCES, language="c++",
                      extra_compile_args=COMMON + ["-isystem", HEADERS, f'-DJPAGED_VARIANT="{name}"'] + flags,
-                     depends=[f"{HEADERS}/xla/ffi/api/{h}" for h in ("api.h", "c_api.h", "ffi.h")])
+                     depends=[f"{HEADERS}/xla/ffi/api/{h}" for h in ("api.h", "c_api.h", "ffi.h")]
+                     + ["jpaged/device/attention/csrc/lanes.h"])
 
 
 setup(ext_modules=[variant(name, flags) for name, flags in VARIANTS.items() if X86 or not flags],

@@ -11,8 +11,11 @@ import pytest
 
 from conftest import chat_token_ids
 from jpaged import SamplingParams
+from jpaged.device import quant
+from jpaged.device.attention import native
 from jpaged.device.model import compute_logits
 from jpaged.device.params import BF16_BITS, cast_params, num_params, to_storage
+from jpaged.device.quant import NATIVE16_MAX_ROWS, QuantizedWeight, bfloat16_rows, quantized_matmul, take_rows
 
 on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU storage form of bfloat16 parameters")
 NUM_TOKENS = 16
@@ -29,10 +32,15 @@ def test_bfloat16_parameters_are_stored_in_16_bits(bf16_llm, llm):
     leaves = jax.tree.leaves(engine.model.params)
     assert engine.param_dtype == jnp.bfloat16 and all(x.dtype == jnp.bfloat16 for x in leaves)
     assert sum(x.nbytes for x in leaves) == 2 * num_params(engine.model.config)
-    stored = engine.runner.params  # the runner's: bit patterns, sharing the model's memory
+    stored = engine.runner.params  # the runner's: bit patterns (the embedding's shared with the model's)
     assert all(x.dtype == BF16_BITS for x in jax.tree.leaves(stored))
-    assert stored.layers.w_up.unsafe_buffer_pointer() == engine.model.params.layers.w_up.unsafe_buffer_pointer()
-    assert stored.embed.unsafe_buffer_pointer() == engine.model.params.embed.unsafe_buffer_pointer()
+    embed = getattr(stored.embed, "values", stored.embed)
+    assert embed.unsafe_buffer_pointer() == engine.model.params.embed.unsafe_buffer_pointer()
+    if native.available_variants():  # dense weights as [out, in] rows for the native few-row kernel
+        assert isinstance(stored.layers.w_up, QuantizedWeight) and stored.layers.w_up.is_16bit
+        assert stored.lm_head.values is stored.embed.values  # the tied head: a view of the embedding
+    else:
+        assert stored.layers.w_up.unsafe_buffer_pointer() == engine.model.params.layers.w_up.unsafe_buffer_pointer()
     f32 = llm.engine  # float32: the same arrays, untouched
     assert f32.param_dtype == jnp.float32 and f32.runner.params.layers.wq is f32.model.params.layers.wq
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(f32.runner.params))
@@ -71,3 +79,76 @@ def test_bfloat16_greedy_agrees_with_float32(bf16_llm, llm, alpaca_prompts):
         assert ref.token_ids[0] == out.token_ids[0]
         prefixes.append(next((i for i, (x, y) in enumerate(zip(ref.token_ids, out.token_ids)) if x != y), NUM_TOKENS))
     assert sum(p == NUM_TOKENS for p in prefixes) >= len(prompts) // 2 and np.mean(prefixes) >= NUM_TOKENS / 2, prefixes
+
+
+@pytest.mark.skipif(not native.available_variants(), reason="the native 16-bit kernel is not built")
+@pytest.mark.parametrize("tied", [False, True])
+def test_bfloat16_rows_lm_head_accumulates_in_float32(default_model, tied):
+    """`test_lm_head_accumulates_and_returns_float32` on 16-bit rows (`bfloat16_row_params`): one row
+    (the native kernel), a few (chunks of 4096 columns, native) and more than `NATIVE16_MAX_ROWS`
+    (chunks, XLA's dot)."""
+    config = default_model.config
+    head = np.full((config.hidden_size, config.vocab_size), 4.0, np.float32)
+    head[0] = 5.0
+    params = default_model.params.replace(lm_head=None if tied else jnp.asarray(head),
+                                          embed=jnp.asarray(head.T) if tied else default_model.params.embed)
+    params = to_storage(quant.bfloat16_row_params(cast_params(params, jnp.bfloat16)))
+    assert isinstance(params.lm_head, QuantizedWeight) and (params.lm_head.values is params.embed.values) == tied
+    for rows in (1, 3, NATIVE16_MAX_ROWS + 2):
+        hidden = jnp.ones((rows, config.hidden_size), jnp.float32)
+        logits = jax.jit(lambda p, h: compute_logits(p, h, config=config))(params, hidden)
+        assert logits.dtype == jnp.float32 and logits.shape == (rows, config.vocab_size)
+        np.testing.assert_array_equal(np.asarray(logits), 2305.0)
+
+
+@pytest.mark.parametrize("k, n", [(64, 19), (50, 7), (33, 5)])
+def test_weight16_matmul_matches_float64(k, n):
+    """The native 16-bit kernel in every variant built (bfloat16 as bits and as bfloat16, float16) and
+    `quantized_matmul` of 16-bit rows (native for few rows, XLA's bf16 dot for more), against float64,
+    at sizes that are not multiples of the vectors."""
+    rng = np.random.default_rng(k * n)
+    w = rng.standard_normal((n, k)).astype(jnp.bfloat16)
+    for rows in (1, 2, 5, 9):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        for variant in native.available_variants():
+            target = native.weight16_matmul_target(variant)
+            call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, n), jnp.float32))
+            for values in (w.view(np.uint16), w, w.astype(np.float16)):
+                ref = x.astype(np.float64) @ values.astype(np.float64).T if values.dtype != np.uint16 else \
+                    x.astype(np.float64) @ w.astype(np.float64).T
+                np.testing.assert_allclose(np.asarray(call(x, values)), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(),
+                                           err_msg=f"{variant} {values.dtype}")
+    rows16 = bfloat16_rows(jnp.asarray(w.T), (k, n), (0,))  # logical [in, out]
+    assert rows16.values.dtype == jnp.uint16 and rows16.values.shape == (n, k) and rows16.dtype == jnp.bfloat16
+    for rows in (1, NATIVE16_MAX_ROWS + 2):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        xb = x.astype(jnp.bfloat16).astype(np.float64)  # the activations rounded to bfloat16, as the model does
+        ref = xb @ w.astype(np.float64).T
+        np.testing.assert_allclose(np.asarray(jax.jit(quantized_matmul)(x, rows16)), ref, rtol=1e-5,
+                                   atol=1e-5 * np.abs(ref).max())
+    view = rows16.T  # [out, in] logical: the rows themselves (the embedding's lookup)
+    np.testing.assert_array_equal(np.asarray(take_rows(view, jnp.asarray([3, 0]))).astype(np.float32),
+                                  w[[3, 0]].astype(np.float32))
+
+
+@on_cpu
+@pytest.mark.skipif(not native.available_variants(), reason="the native 16-bit kernel is not built")
+def test_bfloat16_native_rows_give_the_xla_paths_tokens(bf16_llm, make_llm, monkeypatch, alpaca_prompts):
+    """One stream (one row: the native kernel) gives the greedy tokens of the pre-change bfloat16 engine
+    (XLA's bf16 einsums on the parameters' own layout), prompt by prompt; and the self-draft path
+    (`forward(num_layers=)`) runs on the rows."""
+    prompts = [chat_token_ids(bf16_llm.tokenizer, p) for p in alpaca_prompts[:3]]
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    monkeypatch.setattr("jpaged.engine.llm_engine.bfloat16_row_params", lambda p: p)
+    xla = make_llm(dtype="bfloat16", num_blocks=64)
+    monkeypatch.undo()
+    assert not isinstance(xla.engine.runner.params.layers.wq, QuantizedWeight)
+    assert isinstance(bf16_llm.engine.runner.params.layers.wq, QuantizedWeight)
+    for prompt in prompts:
+        want, got = (m.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids for m in (xla, bf16_llm))
+        assert list(got) == list(want)
+    draft = make_llm(dtype="bfloat16", num_blocks=64, speculative_method="draft-layers", num_speculative_tokens=2)
+    assert isinstance(draft.engine.runner.params.layers.wq, QuantizedWeight)
+    got = draft.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(got) == NUM_TOKENS
+    assert quant.NATIVE16_MAX_ROWS >= 1

@@ -24,9 +24,10 @@ Layout (heads are an explicit axis everywhere, so sharding over heads is a layou
   final_norm  f[hidden]
   lm_head     f[hidden, vocab], or None when the embeddings are tied (logits = h @ embed.T)
 
-Weight-only int8 (`jpaged.device.quant.quantize_params`): the dense leaves (embed, lm_head, wq ... w_down)
-may be `QuantizedWeight`s, of the same logical shapes; a tied int8 model's lm_head is then `embed.T`, a
-view of the embedding's own arrays.
+Weight-only int8 (`jpaged.device.quant.quantize_params`), or bfloat16 rows on one CPU
+(`jpaged.device.quant.bfloat16_row_params`): the dense leaves (embed, lm_head, wq ... w_down) may be
+`QuantizedWeight`s, of the same logical shapes; a tied model's lm_head is then `embed.T`, a view of the
+embedding's own arrays.
 
 q/k projections are in HF's (rotate-half) RoPE convention: llama.cpp's interleaved permutation
 is undone by the loader.
@@ -35,7 +36,10 @@ Storage on a CPU (`to_storage`): bfloat16 leaves are kept as their uint16 bit pa
 as the XLA backend keeps a bfloat16 KV pool. XLA's CPU compiler has no bfloat16 dynamic-slice: it
 widens the whole stacked bfloat16 array to float32 for the layer scan's slicing, in every step (a
 decode step over bfloat16 layers took 7x float32's); a uint16 stack is sliced as it is, and the model
-bit-casts each layer's slice back (`from_storage`). Float16 needs no such form.
+bit-casts each layer's slice back (`from_storage`). Float16 needs no such form. On a single CPU device
+the engine first makes 16-bit rows of the bfloat16 dense leaves (`jpaged.device.quant.bfloat16_row_params`:
+`QuantizedWeight`s of uint16 bits, [out, in], no scales) for the native few-row matmul; `to_storage`
+then holds the remaining bfloat16 leaves (norms, biases) as bits.
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ def check_params(params, config) -> None:
     expected = param_shapes(config)
     tied_view = isinstance(params.lm_head, QuantizedWeight) and isinstance(params.embed, QuantizedWeight) \
         and params.lm_head.values is params.embed.values
-    if expected.lm_head is None and tied_view:  # a tied int8 head (quantize_params): the embedding itself
+    if expected.lm_head is None and tied_view:  # a tied int8 / 16-bit-rows head: the embedding itself
         params = params.replace(lm_head=None)
     if (params.lm_head is None) != (expected.lm_head is None):
         raise ValueError(f"params {'lack' if params.lm_head is None else 'have'} an lm_head, but this model's "
@@ -147,8 +151,8 @@ def check_params(params, config) -> None:
 
 
 def cast_params(params: LlamaParams, dtype) -> LlamaParams:
-    """Returns `params` with every floating leaf cast to `dtype`; int8 weights (`QuantizedWeight`) stay as
-    they are."""
+    """Returns `params` with every floating leaf cast to `dtype`; int8 and 16-bit-row weights
+    (`QuantizedWeight`) stay as they are."""
     def cast(x):
         return x.astype(dtype) if not isinstance(x, QuantizedWeight) and jnp.issubdtype(x.dtype, jnp.floating) else x
     return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))

@@ -1,4 +1,6 @@
-"""Weight-only int8 parameters (`quantization="int8"`): int8 values and float scales, float32 compute.
+"""Dense weights stored as [out, in] rows: weight-only int8 (`quantization="int8"`: int8 values and float
+scales, float32 compute), and bfloat16 weights on one CPU (their bit patterns, no scales) for the native
+few-row product.
 
 A `QuantizedWeight` replaces one parameter leaf of `jpaged.device.params` (a dense weight, layers
 stacked or not). Whatever the leaf's logical layout there (`wq` is [hidden, heads, head_dim], `embed`
@@ -14,6 +16,21 @@ its vocabulary rows, so one set of scales serves the lookup (`take_rows`) and th
 `logical_shape` (static: the scan over layers slices `values` and `scales`, not it) and `in_axes` (which
 logical axes are contracted, a prefix or the last) say how the matmul maps back to the einsum it replaces.
 
+16-bit rows (`bfloat16_rows`, `bfloat16_row_params`: what the engine makes of bfloat16 parameters on a
+single CPU device, where the native library is built): `values` u16[*stack, out, in] holding bfloat16
+bit patterns (uint16, as `jpaged.device.params.to_storage` holds bfloat16 on a CPU: the layer scan
+slices them without XLA widening the stack; the model's `from_storage` may hand a slice back bit-cast
+to bfloat16, which works the same) and `scales` None. Its `dtype` is bfloat16. Few rows: the native
+kernel's 16-bit mode (XLA's CPU bf16 dot of one row reads 5-11 GB/s, a third of float32's); more rows:
+XLA's bf16 x bf16 -> f32 dot of the bit-cast values, as for a plain bfloat16 parameter. Either way the
+activations are rounded to bfloat16 first (the products are then exact in float32, and the two paths
+differ only in the order of the sums). Measured (same machine, kernel alone, bf16 [576 x 1536] and
+[1536 x 576], in cache): the native kernel 1.5-3x faster than XLA's bf16 dot of the [out, in] rows for
+1-8 rows, slower from 16; the [49152 x 576] LM head of one row: 1.5 ms (36 GB/s; XLA's bf16 dot 35 ms,
+float32's 3.7 ms); more rows go by 4096-row chunks (`jpaged.device.model._lm_head`). In the default model
+(weights from memory), 8-request batched decode ran 15% faster with XLA's dot at 8 rows than with the
+native kernel: hence `NATIVE16_MAX_ROWS` = 3.
+
 The product (`quantized_matmul`): up to `NATIVE_MAX_ROWS` rows (decode), the native kernel
 (`csrc/int8_matmul.cc`) reads each int8 weight once and widens it in registers; with more rows, or
 without the native library, XLA dequantizes and runs a float32 dot. XLA's CPU backend (jax 0.10.2) fuses
@@ -27,27 +44,31 @@ native 3-8x faster for 4-32 rows, even at 128 (a loaded machine: ratios, not tim
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jpaged.device.attention import native
 
 QUANTIZATIONS = ("int8",)
 NATIVE_MAX_ROWS = 32  # rows up to which the native kernel beats XLA's dequantize-then-dot (module docstring)
+NATIVE16_MAX_ROWS = 3  # rows up to which the native 16-bit kernel beats XLA's bf16 dot in a model (module docstring)
 IN_AXES = {"embed": (1,), "lm_head": (0,), "wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": (0,),
            "w_up": (0,), "w_down": (0,)}  # the contracted logical axes of each dense leaf of params.py
 
 
 @struct.dataclass
 class QuantizedWeight:
-    """An int8 parameter (see the module docstring). Invariants: `values` is int8 with a last axis
-    (`in`) that `scales`' last axis divides; both have the same leading axes; `in` is the product of
-    `logical_shape` over `in_axes` and `out` of the other axes."""
+    """A dense weight stored as [out, in] rows (see the module docstring): int8 with scales, or bfloat16
+    bits (uint16; bit-cast bfloat16 in the model's layer scan) without. Invariants: int8 `values` have a
+    last axis (`in`) that `scales`' last axis divides, and both the same leading axes; 16-bit `values`
+    have `scales` None; `in` is the product of `logical_shape` over `in_axes` and `out` of the other axes."""
 
     values: jax.Array
-    scales: jax.Array
+    scales: Optional[jax.Array]
     logical_shape: tuple = struct.field(pytree_node=False)
     in_axes: tuple = struct.field(pytree_node=False)
 
@@ -57,13 +78,19 @@ class QuantizedWeight:
         return tuple(self.values.shape[:-2]) + tuple(self.logical_shape)
 
     @property
+    def is_16bit(self) -> bool:
+        """Whether this is a bfloat16 weight (its bits, no scales) rather than an int8 one."""
+        return self.scales is None
+
+    @property
     def dtype(self):
-        """float32: what the weight computes in (its products and rows are float32, whatever its scales')."""
-        return jnp.dtype(jnp.float32)
+        """What the weight computes in: float32 for int8 (its products and rows are float32, whatever its
+        scales'), bfloat16 for 16-bit rows."""
+        return jnp.dtype(jnp.bfloat16 if self.is_16bit else jnp.float32)
 
     @property
     def group_size(self) -> int:
-        return self.values.shape[-1] // self.scales.shape[-1]
+        return self.values.shape[-1] // (1 if self.is_16bit else self.scales.shape[-1])
 
     @property
     def T(self) -> "QuantizedWeight":
@@ -97,19 +124,74 @@ def quantize(w, logical_shape: tuple, in_axes: tuple, group_size: int | None = N
     return QuantizedWeight(values, scales, logical_shape, in_axes)
 
 
+def bfloat16_rows(w, logical_shape: tuple, in_axes: tuple) -> QuantizedWeight:
+    """A bfloat16 weight `w` bf16[*stack, *logical_shape] as 16-bit rows: uint16 bit patterns
+    [*stack, out, in], no scales (`in_axes`: the contracted axes of `logical_shape`). On a CPU a weight
+    whose rows are already its layout (the embedding: [vocab, hidden]) shares its memory; others are
+    transposed into a new array."""
+    logical_shape, in_axes = tuple(logical_shape), tuple(in_axes)
+    if w.dtype != jnp.bfloat16:
+        raise ValueError(f"bfloat16_rows takes a bfloat16 weight, not {w.dtype}")
+    stack = w.shape[:w.ndim - len(logical_shape)]
+    if w.shape[len(stack):] != logical_shape:
+        raise ValueError(f"a weight of shape {w.shape} does not end with the logical shape {logical_shape}")
+    out_axes = [a for a in range(len(logical_shape)) if a not in in_axes]
+    s = len(stack)
+    order = [*range(s), *(s + a for a in out_axes), *(s + a for a in in_axes)]
+    n_in = math.prod(logical_shape[a] for a in in_axes)
+    devices = w.devices() if isinstance(w, jax.Array) else set()
+    if len(devices) == 1 and next(iter(devices)).platform == "cpu":  # numpy: a view where the layout allows
+        bits = np.asarray(w).view(np.uint16).transpose(order).reshape(*stack, -1, n_in)
+        values = jax.device_put(bits, next(iter(devices)))
+    else:
+        rows = jnp.transpose(w, order).reshape(*stack, -1, n_in)
+        values = jax.lax.bitcast_convert_type(rows, jnp.uint16)
+    return QuantizedWeight(values, None, logical_shape, in_axes)
+
+
+def bfloat16_row_params(params):
+    """`params` (a `LlamaParams`) with every bfloat16 dense weight (`IN_AXES`) as 16-bit rows
+    (`bfloat16_rows`), for the native few-row product on one CPU; the same `params` where the native
+    library is absent. Norms and biases stay as they are (`to_storage` makes bits of them), so do leaves
+    of other dtypes. Tied embeddings get `lm_head = embed.T`, the same arrays viewed as [hidden, vocab]."""
+    if _weight16_target() is None:
+        return params
+
+    def rows(name, w, stacked):
+        if w is None or isinstance(w, QuantizedWeight) or w.dtype != jnp.bfloat16:
+            return w
+        return bfloat16_rows(w, w.shape[1:] if stacked else w.shape, IN_AXES[name])
+
+    layers = params.layers.replace(**{name: rows(name, getattr(params.layers, name), True)
+                                      for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")})
+    embed = rows("embed", params.embed, False)
+    lm_head = rows("lm_head", params.lm_head, False)
+    if lm_head is None and isinstance(embed, QuantizedWeight):
+        lm_head = embed.T
+    return params.replace(embed=embed, layers=layers, lm_head=lm_head)
+
+
 def _out_axes(w: QuantizedWeight) -> list[int]:
     return [a for a in range(len(w.logical_shape)) if a not in w.in_axes]
 
 
+def _bf16(values) -> jax.Array:
+    """16-bit rows' values as bfloat16 (bit-cast from their uint16 storage form)."""
+    return jax.lax.bitcast_convert_type(values, jnp.bfloat16) if values.dtype == jnp.uint16 else values
+
+
 def dequantize_rows(values, scales) -> jax.Array:
-    """f32[..., in]: int8 rows `values` [..., in] times their group scales `scales` [..., in // group]."""
+    """f32[..., in]: int8 rows `values` [..., in] times their group scales `scales` [..., in // group];
+    16-bit rows (`scales` None): bf16[..., in], the values bit-cast."""
+    if scales is None:
+        return _bf16(values)
     groups = scales.shape[-1]
     blocks = values.astype(jnp.float32).reshape(*values.shape[:-1], groups, -1)
     return (blocks * scales.astype(jnp.float32)[..., None]).reshape(values.shape)
 
 
 def dequantize(w: QuantizedWeight) -> jax.Array:
-    """The float32 weight f32[*stack, *logical_shape] that `w` stands for."""
+    """The weight f[*stack, *logical_shape] that `w` stands for (float32; 16-bit rows: bfloat16)."""
     s = w.values.ndim - 2
     out_axes = _out_axes(w)
     rows = dequantize_rows(w.values, w.scales)
@@ -121,24 +203,35 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
 
 def take_rows(w, ids) -> jax.Array:
     """`w[ids]` of a float weight, or the float32 rows of an int8 one whose rows are its output channels
-    (the embedding: [vocab, hidden], `in_axes == (1,)`)."""
+    (the embedding: [vocab, hidden], `in_axes == (1,)`; 16-bit rows: bfloat16)."""
     if not isinstance(w, QuantizedWeight):
         return w[ids]
     if w.in_axes != (1,) or w.values.ndim != 2:
         raise ValueError(f"take_rows needs an unstacked [rows, columns] weight, not logical {w.logical_shape} "
                          f"contracted over {w.in_axes}")
-    return dequantize_rows(w.values[ids], w.scales[ids])
+    return dequantize_rows(w.values[ids], None if w.is_16bit else w.scales[ids])
 
 
 def quantized_matmul(x, w: QuantizedWeight) -> jax.Array:
     """x f[..., *in] (the trailing axes: `w`'s contracted logical axes, in order) times an unstacked int8
-    weight -> f32[..., *out] (`w`'s other logical axes, in order): the einsum `w` replaces. Few rows
-    (at most `NATIVE_MAX_ROWS`) on a CPU with the native library: the native kernel; else XLA."""
+    or 16-bit weight -> f32[..., *out] (`w`'s other logical axes, in order): the einsum `w` replaces. Few
+    rows (at most `NATIVE_MAX_ROWS`) on a CPU with the native library: the native kernel; else XLA. A
+    16-bit weight takes `x` rounded to bfloat16 (as a bfloat16 parameter's einsum does)."""
     if w.values.ndim != 2:
         raise ValueError(f"a matmul takes one layer's weight, not a stack of shape {w.values.shape}")
     num_in = len(w.in_axes)
     batch = x.shape[:x.ndim - num_in]
     out_shape = tuple(w.logical_shape[a] for a in _out_axes(w))
+    if w.is_16bit:
+        rows = x.reshape(-1, w.values.shape[1]).astype(jnp.bfloat16)
+        target = _weight16_target() if rows.shape[0] <= NATIVE16_MAX_ROWS else None
+        if target is not None:
+            call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], w.values.shape[0]), jnp.float32))
+            y = call(rows.astype(jnp.float32), w.values)
+        else:  # XLA's bf16 x bf16 -> f32 dot, contracting the rows' last axis
+            y = jax.lax.dot_general(rows, _bf16(w.values), (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+        return y.reshape(*batch, *out_shape)
     rows = x.reshape(-1, w.values.shape[1]).astype(jnp.float32)
     target = _native_target() if rows.shape[0] <= NATIVE_MAX_ROWS else None
     if target is not None:
@@ -155,6 +248,16 @@ def _native_target():
         return None
     try:
         return native.int8_matmul_target()
+    except native.NativeUnavailable:
+        return None
+
+
+def _weight16_target():
+    """The native 16-bit kernel's FFI target name, or None where it cannot run (not a CPU, not built)."""
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        return native.weight16_matmul_target()
     except native.NativeUnavailable:
         return None
 

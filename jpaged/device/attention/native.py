@@ -17,8 +17,9 @@ time the portable library says which of the others this CPU can run (`available_
 the best is registered with `jax.ffi.register_ffi_target`. A machine without a compiler installs
 without them; `get_backend('auto')` then falls back to the XLA path and logs one line saying so.
 
-The same libraries hold the int8 weight matmul (`csrc/int8_matmul.cc`, `int8_matmul_target`), which
-`jpaged.device.quant` calls for few-row products of int8 parameters.
+The same libraries hold the few-row weight matmuls (`csrc/int8_matmul.cc`: `int8_matmul_target`, and
+`weight16_matmul_target` for bfloat16 weights), which `jpaged.device.quant` calls for few-row products
+of int8 and bfloat16 parameters.
 
 The cache write and the copy-on-write copies stay XLA's (`xla_write_kv`, `xla_copy_blocks`):
 they are scatters XLA does in place.
@@ -41,7 +42,8 @@ from jpaged.device.attention.xla import FULL_WINDOW, storage_dtype, xla_copy_blo
 VARIANTS = ("avx512", "avx2", "portable")  # best first
 _HANDLER = "JpagedPagedAttention"
 _INT8_HANDLER = "JpagedInt8Matmul"  # csrc/int8_matmul.cc
-_TARGETS = {_HANDLER: "paged_attention", _INT8_HANDLER: "int8_matmul"}
+_WEIGHT16_HANDLER = "JpagedWeight16Matmul"  # csrc/int8_matmul.cc: bfloat16 (or float16) weights
+_TARGETS = {_HANDLER: "paged_attention", _INT8_HANDLER: "int8_matmul", _WEIGHT16_HANDLER: "weight16_matmul"}
 
 
 def library_path(variant: str) -> str | None:
@@ -106,6 +108,12 @@ def int8_matmul_target(variant: str = "auto") -> str:
     """The FFI target of the int8 weight matmul (`csrc/int8_matmul.cc`, in the same libraries; used by
     `jpaged.device.quant`), registered once."""
     return target_name(variant, _INT8_HANDLER)
+
+
+def weight16_matmul_target(variant: str = "auto") -> str:
+    """The FFI target of the 16-bit weight matmul (bfloat16 bits or float16 values, no scales;
+    `csrc/int8_matmul.cc`, used by `jpaged.device.quant`), registered once."""
+    return target_name(variant, _WEIGHT16_HANDLER)
 
 
 def row_queries(inputs):

@@ -1,21 +1,31 @@
-// Weight-only int8 matrix products on the CPU, as an XLA FFI handler: the dense layers of a model
-// whose parameters are `jpaged.device.quant.QuantizedWeight`s, for the few-row steps (decode) where
-// XLA's CPU dot would first widen the whole int8 matrix to float32 in memory.
+// Weight matrix products on the CPU for few rows (decode), as XLA FFI handlers: the dense layers of a
+// model whose parameters are `jpaged.device.quant.QuantizedWeight`s (int8 with scales, or 16-bit
+// without), where XLA's CPU dot would first widen the whole int8 matrix to float32 in memory, or reads
+// a bfloat16 matrix at a fraction of the memory's speed.
 //
-// Operands (see jpaged/device/quant.py, which flattens a parameter's logical layout to these):
+// JpagedInt8Matmul, operands (see jpaged/device/quant.py, which flattens a parameter's logical layout
+// to these):
 //   x       f32[M, K]            activations, M rows
 //   values  s8[N, K]             the weight, one output channel per row (GGUF's / torch's [out, in])
 //   scales  f32 or f16 [N, K/G]  one scale per group of G consecutive input columns of a channel
 //                                (G = K: per output channel; G = 32: GGUF's Q8_0 blocks)
 // Result: f32[M, N], y[m, n] = sum_g scales[n, g] * sum_{k in group g} values[n, k] * x[m, k].
 //
-// Each int8 weight is read once per call from memory: 16 at a time, widened to float32 and scaled in
-// registers, then multiplied into up to 8 rows of x (float32 accumulation). Output channels are
-// split in tiles between the calling thread and XLA's intra-op threads; inside a tile, rows go in
-// chunks of up to 8, so a tile's weights are reused from cache by every chunk.
+// JpagedWeight16Matmul, operands:
+//   x       f32[M, K]            activations, M rows
+//   values  u16 or bf16 [N, K]   bfloat16 weights (u16: their bit patterns, the CPU storage form), or
+//           f16 [N, K]           float16 weights; one output channel per row, no scales
+// Result: f32[M, N], y[m, n] = sum_k float(values[n, k]) * x[m, k] (float32 products and sums).
+//
+// Each weight is read once per call from memory: kLanes at a time (one register: lanes.h), widened to
+// float32 (and scaled) in registers (bfloat16: a 16-bit shift), then multiplied into up to 8 rows of x
+// (float32 accumulation). Output channels are split in tiles between the calling thread and XLA's
+// intra-op threads; inside a tile, rows go in chunks of up to 8, so a tile's weights are reused from
+// cache by every chunk.
 //
 // Built into the same per-instruction-set libraries as paged_attention.cc (setup.py), with GCC's
-// vector extensions: the variants differ only in the instructions the compiler may use.
+// vector extensions: the variants differ only in their vector width and the instructions the
+// compiler may use.
 
 #include <algorithm>
 #include <atomic>
@@ -24,6 +34,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -31,17 +42,20 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
+#include "lanes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float VF __attribute__((vector_size(64)));
-
-constexpr int kLanes = 16;
 constexpr int kMaxRows = 8;   // rows of x per pass over a tile's weights
 constexpr int64_t kTile = 32; // output channels per work item
+
+struct Bf16 {  // a bfloat16 weight, as its bit pattern
+  uint16_t bits;
+};
+struct NoScale {};  // the scale type of unscaled (16-bit) weights
 
 inline VF LoadF(const float* p) {
   VF v;
@@ -49,30 +63,68 @@ inline VF LoadF(const float* p) {
   return v;
 }
 
-// 16 int8 weights widened to float32: one sign extension and one conversion per register (GCC's
+// kLanes int8 weights widened to float32: one sign extension and one conversion per register (GCC's
 // generic conversion of a char vector goes lane by lane).
-inline VF LoadB(const int8_t* p) {
+inline VF Widen(const int8_t* p) {
   VF f;
 #if defined(__AVX512F__)
+  static_assert(kLanes == 16);
   const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   std::memcpy(&f, &x, sizeof f);
 #elif defined(__AVX2__)
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
-  std::memcpy(&f, &lo, sizeof lo);
-  std::memcpy(reinterpret_cast<char*>(&f) + sizeof lo, &hi, sizeof hi);
+  static_assert(kLanes == 8);
+  const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&f, &x, sizeof f);
 #else
   for (int i = 0; i < kLanes; ++i) f[i] = static_cast<float>(p[i]);
 #endif
   return f;
 }
 
-inline float AddLanes(VF x) {
-  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return x[0];
+// kLanes bfloat16 weights: zero-extended to 32 bits and shifted into a float's upper half (one
+// zero-extending load and one shift per register: GCC's generic conversion of the AVX-512 build
+// widens the two halves apart and joins them).
+inline VF Widen(const Bf16* p) {
+  VF f;
+#if defined(__AVX512F__)
+  const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  std::memcpy(&f, &u, sizeof f);
+#elif defined(__AVX2__)
+  const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  std::memcpy(&f, &u, sizeof f);
+#else
+  VH h;
+  std::memcpy(&h, p, sizeof h);
+  const VU u = __builtin_convertvector(h, VU) << 16;
+  std::memcpy(&f, &u, sizeof f);
+#endif
+  return f;
+}
+
+// kLanes float16 weights (F16C's conversion where the build has it).
+inline VF Widen(const _Float16* p) {
+  VF f;
+#if defined(__AVX512F__)
+  const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  std::memcpy(&f, &x, sizeof f);
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&f, &x, sizeof f);
+#else
+  VHF h;
+  std::memcpy(&h, p, sizeof h);
+  f = __builtin_convertvector(h, VF);
+#endif
+  return f;
+}
+
+inline float WidenOne(int8_t w) { return static_cast<float>(w); }
+inline float WidenOne(_Float16 w) { return static_cast<float>(w); }
+inline float WidenOne(Bf16 w) {
+  const uint32_t u = static_cast<uint32_t>(w.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
 }
 
 template <typename S>
@@ -82,35 +134,40 @@ inline float Scale(const S* s) {
 
 struct Problem {
   const float* x;
-  const int8_t* w;
-  const void* scales;
+  const void* w;       // int8_t, Bf16 or _Float16 [N, K]
+  const void* scales;  // [N, K / G] (unscaled weights: unused, G = K)
   int64_t M, N, K, G;
   float* y;
 };
 
-// Rows [m0, m0 + R) by output channels [n0, n0 + NO): R * NO independent accumulators.
-template <typename S, int R, int NO>
+// Rows [m0, m0 + R) by output channels [n0, n0 + NO): R * NO independent accumulators. W: the weights'
+// type; S: their scales' (NoScale: none).
+template <typename W, typename S, int R, int NO>
 inline void Block(const Problem& p, int64_t m0, int64_t n0) {
+  constexpr bool kScaled = !std::is_same_v<S, NoScale>;
   const int64_t K = p.K, G = p.G, groups = K / G;
-  const S* scales = static_cast<const S*>(p.scales);
+  const W* w = static_cast<const W*>(p.w);
   VF acc[R][NO] = {};
   float tail[R][NO] = {};
   for (int64_t g = 0; g < groups; ++g) {
     float s[NO];
-    for (int o = 0; o < NO; ++o) s[o] = Scale(scales + (n0 + o) * groups + g);
+    if constexpr (kScaled)
+      for (int o = 0; o < NO; ++o) s[o] = Scale(static_cast<const S*>(p.scales) + (n0 + o) * groups + g);
     const int64_t k1 = (g + 1) * G;
     int64_t k = g * G;
     for (; k + kLanes <= k1; k += kLanes) {
       VF xv[R];
       for (int r = 0; r < R; ++r) xv[r] = LoadF(p.x + (m0 + r) * K + k);
       for (int o = 0; o < NO; ++o) {
-        const VF wv = LoadB(p.w + (n0 + o) * K + k) * s[o];
+        VF wv = Widen(w + (n0 + o) * K + k);
+        if constexpr (kScaled) wv *= s[o];
         for (int r = 0; r < R; ++r) acc[r][o] += wv * xv[r];
       }
     }
-    for (; k < k1; ++k)  // a group that is not a multiple of 16 columns
+    for (; k < k1; ++k)  // a group that is not a multiple of kLanes columns
       for (int o = 0; o < NO; ++o) {
-        const float wk = static_cast<float>(p.w[(n0 + o) * K + k]) * s[o];
+        float wk = WidenOne(w[(n0 + o) * K + k]);
+        if constexpr (kScaled) wk *= s[o];
         for (int r = 0; r < R; ++r) tail[r][o] += wk * p.x[(m0 + r) * K + k];
       }
   }
@@ -119,26 +176,26 @@ inline void Block(const Problem& p, int64_t m0, int64_t n0) {
 }
 
 // Rows [m0, m0 + R) by the channels [n0, n1): NO at a time (8 accumulators or so), the rest one by one.
-template <typename S, int R>
+template <typename W, typename S, int R>
 void Rows(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
   constexpr int NO = R >= 8 ? 1 : R >= 4 ? 2 : R >= 2 ? 4 : 8;
   int64_t n = n0;
-  for (; n + NO <= n1; n += NO) Block<S, R, NO>(p, m0, n);
-  for (; n < n1; ++n) Block<S, R, 1>(p, m0, n);
+  for (; n + NO <= n1; n += NO) Block<W, S, R, NO>(p, m0, n);
+  for (; n < n1; ++n) Block<W, S, R, 1>(p, m0, n);
 }
 
-template <typename S>
+template <typename W, typename S>
 void Tile(const Problem& p, int64_t n0, int64_t n1) {
   for (int64_t m = 0; m < p.M; m += kMaxRows) {
     switch (std::min<int64_t>(kMaxRows, p.M - m)) {
-      case 1: Rows<S, 1>(p, m, n0, n1); break;
-      case 2: Rows<S, 2>(p, m, n0, n1); break;
-      case 3: Rows<S, 3>(p, m, n0, n1); break;
-      case 4: Rows<S, 4>(p, m, n0, n1); break;
-      case 5: Rows<S, 5>(p, m, n0, n1); break;
-      case 6: Rows<S, 6>(p, m, n0, n1); break;
-      case 7: Rows<S, 7>(p, m, n0, n1); break;
-      default: Rows<S, 8>(p, m, n0, n1); break;
+      case 1: Rows<W, S, 1>(p, m, n0, n1); break;
+      case 2: Rows<W, S, 2>(p, m, n0, n1); break;
+      case 3: Rows<W, S, 3>(p, m, n0, n1); break;
+      case 4: Rows<W, S, 4>(p, m, n0, n1); break;
+      case 5: Rows<W, S, 5>(p, m, n0, n1); break;
+      case 6: Rows<W, S, 6>(p, m, n0, n1); break;
+      case 7: Rows<W, S, 7>(p, m, n0, n1); break;
+      default: Rows<W, S, 8>(p, m, n0, n1); break;
     }
   }
 }
@@ -147,7 +204,7 @@ void Tile(const Problem& p, int64_t n0, int64_t n1) {
 // last tile was claimed return without touching the buffers (which live only until the handler returns).
 struct Work {
   Problem problem;
-  bool f16_scales;
+  void (*tile)(const Problem&, int64_t, int64_t);  // Tile<W, S>
   int64_t tiles;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -157,10 +214,7 @@ struct Work {
   void Drain() {
     for (int64_t t = next.fetch_add(1); t < tiles; t = next.fetch_add(1)) {
       const int64_t n0 = t * kTile, n1 = std::min(problem.N, n0 + kTile);
-      if (f16_scales)
-        Tile<_Float16>(problem, n0, n1);
-      else
-        Tile<float>(problem, n0, n1);
+      tile(problem, n0, n1);
       if (done.fetch_add(1) + 1 == tiles) {
         std::lock_guard<std::mutex> lock(mu);
         finished.notify_all();
@@ -168,6 +222,19 @@ struct Work {
     }
   }
 };
+
+// Runs `work` (its problem and tile function set) on the calling thread and XLA's intra-op threads.
+ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
+  const Problem& p = work->problem;
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  work->tiles = (p.N + kTile - 1) / kTile;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->tiles) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  std::unique_lock<std::mutex> lock(work->mu);
+  work->finished.wait(lock, [&] { return work->done.load() == work->tiles; });
+  return ffi::Error::Success();
+}
 
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> values,
                       ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> y) {
@@ -183,18 +250,27 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const auto type = scales.element_type();
   if (type != ffi::DataType::F32 && type != ffi::DataType::F16)
     return ffi::Error::InvalidArgument("int8 matmul: scales must be float32 or float16");
-  if (M == 0 || N == 0) return ffi::Error::Success();
   auto work = std::make_shared<Work>();
   work->problem = Problem{x.typed_data(), values.typed_data(), scales.untyped_data(), M, N, K,
                           K / s_dims[1], y->typed_data()};
-  work->f16_scales = type == ffi::DataType::F16;
-  work->tiles = (N + kTile - 1) / kTile;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->tiles) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
-  work->Drain();
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->finished.wait(lock, [&] { return work->done.load() == work->tiles; });
-  return ffi::Error::Success();
+  work->tile = type == ffi::DataType::F16 ? Tile<int8_t, _Float16> : Tile<int8_t, float>;
+  return Run(pool, std::move(work));
+}
+
+ffi::Error Weight16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  auto x_dims = x.dimensions();
+  auto w_dims = values.dimensions();
+  if (x_dims.size() != 2 || w_dims.size() != 2 || w_dims[1] != x_dims[1])
+    return ffi::Error::InvalidArgument("16-bit matmul: x must be [M, K] and values [N, K]");
+  const auto type = values.element_type();
+  if (type != ffi::DataType::U16 && type != ffi::DataType::BF16 && type != ffi::DataType::F16)
+    return ffi::Error::InvalidArgument("16-bit matmul: values must be bfloat16 (or its uint16 bits) or float16");
+  const int64_t M = x_dims[0], K = x_dims[1], N = w_dims[0];
+  auto work = std::make_shared<Work>();
+  work->problem = Problem{x.typed_data(), values.untyped_data(), nullptr, M, N, K, K, y->typed_data()};
+  work->tile = type == ffi::DataType::F16 ? Tile<_Float16, NoScale> : Tile<Bf16, NoScale>;
+  return Run(pool, std::move(work));
 }
 
 }  // namespace
@@ -205,4 +281,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedInt8Matmul, Int8Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::S8>>()   // values
                                   .Arg<ffi::AnyBuffer>()         // scales
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedWeight16Matmul, Weight16Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::AnyBuffer>()         // values: u16 (bfloat16 bits), bf16 or f16
                                   .Ret<ffi::Buffer<ffi::F32>>());

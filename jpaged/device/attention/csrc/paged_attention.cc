@@ -50,21 +50,14 @@
 #include <utility>
 #include <vector>
 
+#include "lanes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// ---- vectors of kLanes floats (GCC's vector extensions): one register of the variant -----------
-
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#elif defined(__AVX__)
-constexpr int kLanes = 8;
-#else
-constexpr int kLanes = 4;
-#endif
+// ---- vectors of kLanes floats: lanes.h -----------------------------------------------------
 
 constexpr int kTile = kLanes;     // keys per softmax update: a tile's scores are one vector
 constexpr int kQueryChunk = 16;   // query tokens per work item (a prefill row has several)
@@ -74,23 +67,9 @@ constexpr int kQueryChunk = 16;   // query tokens per work item (a prefill row h
 constexpr int kPrefetchTiles = JPAGED_PREFETCH_KEYS / kTile;  // how far ahead the vector path prefetches
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-typedef float VF __attribute__((vector_size(4 * kLanes)));
-typedef int32_t VI __attribute__((vector_size(4 * kLanes)));
-typedef uint32_t VU __attribute__((vector_size(4 * kLanes)));
-typedef uint16_t VH __attribute__((vector_size(2 * kLanes)));
-typedef _Float16 VHF __attribute__((vector_size(2 * kLanes)));
-
-constexpr auto kLaneSeq = std::make_integer_sequence<int, kLanes>{};
-
-inline VF Splat(float x) { return VF{} + x; }
-
 template <int... P>
 constexpr VI LaneIndices(std::integer_sequence<int, P...>) { return VI{P...}; }
 const VI kLaneIds = LaneIndices(kLaneSeq);  // 0, 1, ..., kLanes - 1
-
-// x with lane i taken from lane i ^ S (S a power of two below kLanes): a butterfly of the lane tree.
-template <int S, int... P>
-inline VF SwapLanes(VF x, std::integer_sequence<int, P...>) { return __builtin_shufflevector(x, x, (P ^ S)...); }
 
 // exp(x) lane by lane, for x <= 0 (scores minus their running maximum): Cephes' single-precision
 // polynomial, within 2 ulp; x below -87 gives exp(-87), not 0 (callers mask what must be 0).
@@ -119,13 +98,6 @@ inline float MaxLanes(VF x) {
   const VF y = SwapLanes<S>(x, kLaneSeq);
   x = x > y ? x : y;
   if constexpr (S > 1) return MaxLanes<S / 2>(x);
-  return x[0];
-}
-
-template <int S = kLanes / 2>
-inline float AddLanes(VF x) {
-  x += SwapLanes<S>(x, kLaneSeq);
-  if constexpr (S > 1) return AddLanes<S / 2>(x);
   return x[0];
 }
 
