@@ -11,7 +11,8 @@ Per width, both servers are started once (jpaged: `--dtype`, `--max-num-seqs` th
 concurrency, a 1 GiB KV pool, its warm-up compiling every step shape into the persistent
 compilation cache; llama-server: bench/peers/common.py's `llama_server_command`, as many slots as
 the largest concurrency, prompt caching off like jpaged's, the same `--threads` as the cores XLA
-uses, OMP_WAIT_POLICY passive: see bench/peers/common.py) and primed with one untimed level. Then `--rounds` rounds: in each, every concurrency C in
+uses, OMP_WAIT_POLICY as llama.cpp ships it (active): see bench/peers/common.py) and primed with one untimed level;
+while one server is measured the other is stopped (SIGSTOP: an idle llama-server's OpenMP threads spin). Then `--rounds` rounds: in each, every concurrency C in
 turn, jpaged and llama.cpp one after the other (which goes first alternates from level to level and
 round to round), C clients each sending one request at once (bench/serve_load.py's closed loop and
 streamed request: POST /v1/completions, the prompt as token ids, greedy, `ignore_eos`, exactly
@@ -28,7 +29,8 @@ median (above 1: jpaged is faster). The JSON names the CPU and its ISA flags and
     python bench/latency.py             # 128 tokens, 3 rounds (11 min)
     python bench/latency.py --widths float32 --concurrency 1,8 --rounds 5
 
-Writes `<out>/latency.json` and `.png` (`latency_quick.*` for --quick).
+Writes `<out>/latency.json` and `.png` (`latency_quick.*` for --quick; `latency_omp_passive*` with
+`--llama-omp-wait-policy passive`, llama-server's threads sleeping at barriers: for a loaded machine).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def run_width(width: str, prompts: list[list[int]], primer: list[list[int]], ggu
     out = {"gguf": str(ggufs[WIDTHS[width]]), "servers": {}, "levels": []}
     ctx_per_slot = max(map(len, prompts + primer)) + args.max_tokens
     with contextlib.ExitStack() as stack:
-        bases = {}
+        bases, groups = {}, {}
         for engine in ENGINES:
             port = peer_common.free_port()
             cmd = (jpaged_command(width, port, ggufs, args) if engine == "jpaged" else
@@ -102,12 +104,15 @@ def run_width(width: str, prompts: list[list[int]], primer: list[list[int]], ggu
             log_path = log_dir / f"{engine}-{width}.log"
             print(f"--- {engine} {width}: {' '.join(cmd)}", file=sys.stderr, flush=True)
             env = {"OMP_WAIT_POLICY": args.llama_omp_wait_policy} if engine == "llama.cpp" else {}
-            bases[engine], startup_s = stack.enter_context(peer_common.serving(cmd, port, str(log_path), env,
-                                                                               cwd=str(ROOT)))
+            bases[engine], startup_s, groups[engine] = stack.enter_context(
+                peer_common.serving(cmd, port, str(log_path), env, cwd=str(ROOT)))
             server = {"command": cmd, "startup_s": startup_s}
             if engine == "jpaged":
                 server["warm_up"] = warm_up_line(log_path)
-            primed = measure(bases[engine], primer, args.max_tokens)
+            with contextlib.ExitStack() as others:  # the servers started before it stopped
+                for other in groups.keys() - {engine}:
+                    others.enter_context(peer_common.paused(groups[other]))
+                primed = measure(bases[engine], primer, args.max_tokens)
             server["primer_errors"] = primed["errors"]
             out["servers"][engine] = server
             print(f"    {engine} {width} up in {startup_s:.1f} s, primed", file=sys.stderr, flush=True)
@@ -118,8 +123,10 @@ def run_width(width: str, prompts: list[list[int]], primer: list[list[int]], ggu
                 order = ENGINES if step % 2 == 0 else ENGINES[::-1]
                 step += 1
                 for engine in order:
-                    level = {"round": round_, "engine": engine, "load_average_before": os.getloadavg()[0],
-                             **measure(bases[engine], prompts[:c], args.max_tokens)}
+                    other = next(e for e in ENGINES if e != engine)
+                    with peer_common.paused(groups[other]):  # the other server takes no CPU meanwhile
+                        level = {"round": round_, "engine": engine, "load_average_before": os.getloadavg()[0],
+                                 **measure(bases[engine], prompts[:c], args.max_tokens)}
                     out["levels"].append(level)
                     print(f"    round {round_ + 1} {width} C={c} {engine}: {level['ms_per_token']:.1f} ms/token, "
                           f"TTFT {level['ttft_ms']:.0f} ms" + (f", {level['errors']} errors" if level["errors"] else ""),
@@ -268,7 +275,8 @@ def main(argv=None) -> dict:
                 out["widths"][width] = {"error": f"{type(e).__name__}: {e}", "log_tails": logs}
                 print(f"!! {width} failed: {e}", file=sys.stderr, flush=True)
     out["machine"]["load_average_at_end"] = list(os.getloadavg())
-    return common.report(out, args.out, common.results_stem("latency", args.quick), start, plot, print_table)
+    name = "latency" if args.llama_omp_wait_policy == peer_common.LLAMA_OMP_WAIT_POLICY else "latency_omp_passive"
+    return common.report(out, args.out, common.results_stem(name, args.quick), start, plot, print_table)
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ def serving(cmd: list[str], port: int, log_path: str, env: dict | None = None, c
             startup_timeout: float = 1800):
     """Starts the HTTP server `cmd`, which listens on 127.0.0.1:`port` (see `free_port`), in its own
     process group, its output to `log_path`; waits until GET /health answers 200; yields (base URL,
-    start-up seconds); stops it (SIGTERM, then SIGKILL after 60 s)."""
+    start-up seconds, its process group id: see `paused`); stops it (SIGTERM, then SIGKILL after 60 s)."""
     start = time.perf_counter()
     with open(log_path, "w") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env={**os.environ, **(env or {})},
@@ -138,7 +138,7 @@ def serving(cmd: list[str], port: int, log_path: str, env: dict | None = None, c
             if time.perf_counter() - start > startup_timeout:
                 raise TimeoutError(f"{cmd[0]} did not answer /health in {startup_timeout:.0f}s: see {log_path}")
             time.sleep(0.25)
-        yield base, time.perf_counter() - start
+        yield base, time.perf_counter() - start, process.pid
     finally:
         if process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -150,6 +150,18 @@ def serving(cmd: list[str], port: int, log_path: str, env: dict | None = None, c
                 process.wait()
 
 
+@contextlib.contextmanager
+def paused(group: int):
+    """Stops the process group `group` (a server of `serving`) for the block, SIGSTOP to SIGCONT: a peer
+    measured beside another server takes no CPU from it, even where its threads would spin while idle
+    (llama.cpp's OpenMP threads under OMP_WAIT_POLICY=active spin long after their last work)."""
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(group, signal.SIGCONT)
+
+
 def free_port() -> int:
     """A free TCP port on the loopback interface."""
     with socket.socket() as s:
@@ -157,11 +169,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# llama.cpp's OpenMP threads spin-wait at barriers by default (OMP_WAIT_POLICY=active): on a shared
-# 2-core machine a descheduled spinner stalls every step (one stream of the F32 model, AMD EPYC, 2
-# cores, load average 5-6: 165-330 ms/token active, 41-95 passive). The peers run llama-server with
-# this in its environment unless told otherwise.
-LLAMA_OMP_WAIT_POLICY = "passive"
+# llama.cpp's OpenMP threads spin-wait at barriers by default (OMP_WAIT_POLICY=active), as it ships
+# and as the peers run it: on a quiet machine that is its fast setting (one stream, AMD EPYC, 2 cores,
+# quiet: F32 14.4 ms/token active against 31.7 passive). On a shared 2-core machine a descheduled
+# spinner stalls every step instead (load average 5-6: 165-330 ms/token active, 41-95 passive): pass
+# passive there (`--llama-omp-wait-policy passive`), and say so with the figures.
+LLAMA_OMP_WAIT_POLICY = "active"
 
 
 def llama_server_command(llama_cpp_dir: str, gguf: str, port: int, slots: int, ctx_per_slot: int, threads: int,

@@ -68,7 +68,7 @@ def main(argv=None) -> None:
                                               spec["threads"])
             result["settings"]["commands"][str(slots)] = cmd
             env = {"OMP_WAIT_POLICY": spec.get("omp_wait_policy", common.LLAMA_OMP_WAIT_POLICY)}
-            with common.serving(cmd, port, os.path.join(tmp, f"server-{slots}.log"), env) as (base, startup_s):
+            with common.serving(cmd, port, os.path.join(tmp, f"server-{slots}.log"), env) as (base, startup_s, _):
                 t0 = time.perf_counter()
                 run_all(base, prompts[:slots], max_tokens)
                 warmup_s = time.perf_counter() - t0
