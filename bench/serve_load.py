@@ -60,8 +60,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -73,6 +71,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
+from bench.peers.common import free_port, serving  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smol"
@@ -163,12 +162,6 @@ def wait_quiet(args, what: str) -> dict:
 
 # ---------------------------------------------------------------- the servers
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def jpaged_tree(commit: str, dest: Path) -> dict:
     """`jpaged/` and `pallas_kernels/` of `commit` (`git archive`: the working tree is not touched) in
     `dest`, with the native attention kernels built in the working tree (`*.so`, not in git) beside
@@ -211,36 +204,14 @@ def get(url: str, timeout: float = 5) -> str:
 
 @contextlib.contextmanager
 def running(name: str, args, log_path: Path, compile_cache: str):
-    """Starts a server, waits until /health answers 200, yields (base_url, start-up seconds), stops it."""
+    """Starts a server, waits until /health answers 200, yields (base_url, start-up seconds), stops it
+    (`bench.peers.common.serving`)."""
     port = free_port()
     cmd, env = server_command(name, port, args, compile_cache)
     print(f"--- {name}: {' '.join(cmd)} (log: {log_path})", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    with open(log_path, "w") as log:
-        cwd = env.get("PYTHONPATH", ROOT)  # `python -m` puts the working directory first on sys.path
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env={**os.environ, **env},
-                                   start_new_session=True)
-    try:
-        base, deadline = f"http://127.0.0.1:{port}", start + args.startup_timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with {process.returncode}: see {log_path}")
-            with contextlib.suppress(OSError):
-                get(base + "/health")
-                break
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"{name} did not answer in {args.startup_timeout:.0f}s: see {log_path}")
-            time.sleep(0.25)
-        yield base, time.perf_counter() - start
-    finally:
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+    cwd = env.get("PYTHONPATH", ROOT)  # `python -m` puts the working directory first on sys.path
+    with serving(cmd, port, str(log_path), env, cwd=str(cwd), startup_timeout=args.startup_timeout) as (base, s, _):
+        yield base, s
 
 
 def jpaged_metrics(base: str) -> dict:
