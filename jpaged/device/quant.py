@@ -243,21 +243,20 @@ def quantized_matmul(x, w: QuantizedWeight) -> jax.Array:
 
 
 def _native_target():
-    """The native kernel's FFI target name, or None where it cannot run (not a CPU, not built)."""
-    if jax.default_backend() != "cpu":
-        return None
-    try:
-        return native.int8_matmul_target()
-    except native.NativeUnavailable:
-        return None
+    """The native int8 kernel's FFI target name, or None where it cannot run (not a CPU, not built)."""
+    return _cpu_target(native.int8_matmul_target)
 
 
 def _weight16_target():
     """The native 16-bit kernel's FFI target name, or None where it cannot run (not a CPU, not built)."""
+    return _cpu_target(native.weight16_matmul_target)
+
+
+def _cpu_target(register):
     if jax.default_backend() != "cpu":
         return None
     try:
-        return native.weight16_matmul_target()
+        return register()
     except native.NativeUnavailable:
         return None
 
