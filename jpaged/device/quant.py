@@ -156,16 +156,22 @@ def bfloat16_row_params(params):
     of other dtypes. Tied embeddings get `lm_head = embed.T`, the same arrays viewed as [hidden, vocab]."""
     if _weight16_target() is None:
         return params
+    return _map_dense(params, lambda w, shape, in_axes: bfloat16_rows(w, shape, in_axes) if w.dtype == jnp.bfloat16
+                      else w)
 
-    def rows(name, w, stacked):
-        if w is None or isinstance(w, QuantizedWeight) or w.dtype != jnp.bfloat16:
+
+def _map_dense(params, convert):
+    """`params` with `convert(w, logical_shape, in_axes)` in place of each dense leaf (`IN_AXES`) that is a
+    plain array (absent and `QuantizedWeight` leaves stay); where the embeddings are tied and the
+    embedding became a `QuantizedWeight`, `lm_head = embed.T`, a view of its arrays."""
+    def one(name, w, stacked):
+        if w is None or isinstance(w, QuantizedWeight):
             return w
-        return bfloat16_rows(w, w.shape[1:] if stacked else w.shape, IN_AXES[name])
+        return convert(w, w.shape[1:] if stacked else w.shape, IN_AXES[name])
 
-    layers = params.layers.replace(**{name: rows(name, getattr(params.layers, name), True)
-                                      for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")})
-    embed = rows("embed", params.embed, False)
-    lm_head = rows("lm_head", params.lm_head, False)
+    layers = params.layers.replace(**{name: one(name, getattr(params.layers, name), True)
+                                      for name in IN_AXES if name not in ("embed", "lm_head")})
+    embed, lm_head = one("embed", params.embed, False), one("lm_head", params.lm_head, False)
     if lm_head is None and isinstance(embed, QuantizedWeight):
         lm_head = embed.T
     return params.replace(embed=embed, layers=layers, lm_head=lm_head)
@@ -276,14 +282,4 @@ def quantize_params(params, quantization: str = "int8"):
     check_quantization(quantization)
     if quantization is None:
         return params
-
-    def q(name, w, stacked):
-        if w is None or isinstance(w, QuantizedWeight):
-            return w
-        return quantize(w, w.shape[1:] if stacked else w.shape, IN_AXES[name])
-
-    layers = params.layers.replace(**{name: q(name, getattr(params.layers, name), True)
-                                      for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")})
-    embed = q("embed", params.embed, False)
-    lm_head = embed.T if params.lm_head is None else q("lm_head", params.lm_head, False)
-    return params.replace(embed=embed, layers=layers, lm_head=lm_head)
+    return _map_dense(params, quantize)
