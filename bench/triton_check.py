@@ -9,7 +9,10 @@ private JAX API, `jax._src`, and runs `ptxas`):
    kernel's ``num_warps`` / ``num_stages``.
 2. ``compile_for_sm90(module)`` compiles that IR with the upstream ``triton`` package (if
    installed; not a project dependency) for ``sm_90a`` and runs its bundled ``ptxas -v``:
-   registers per thread, spills, shared memory, whether dots became tensor-core MMAs.
+   registers per thread, spills, shared memory, whether dots became tensor-core MMAs, and how
+   the loop's K/V loads were pipelined (``async_copies``: global->shared ``cp.async`` copies in
+   the TTGIR; ``copy_buffers``: the fewest buffers any of them got, 1 meaning that the copy of
+   the next iteration waits for this one's compute, >= 2 that copies are in flight during it).
 
 XLA compiles the same IR with its own Triton fork, so this is strong evidence, not proof, that a
 kernel compiles on the GPU, and the numbers are close to, not equal to, what the GPU run gets.
@@ -127,6 +130,13 @@ def compile_for_sm90(module: TritonModule) -> dict:
             options={"num_warps": module.num_warps, "num_stages": module.num_stages},
         )
         ptx = kernel.asm["ptx"]
+        ttgir = kernel.asm["ttgir"]
+        # Buffers of the pipelined global->shared copies (cp.async): Triton's pipeliner
+        # allocates `[buffers, ...tile]` per load it pipelines. 1: the copy of iteration i + 1
+        # is issued only after iteration i's compute (no overlap); >= 2: copies in flight
+        # during the compute.
+        buffers = [int(n) for n in re.findall(
+            r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x\d+x[^>]*mutable", ttgir)]
         ptx_path = os.path.join(tmp, "k.ptx")
         with open(ptx_path, "w") as f:
             f.write(ptx)
@@ -136,6 +146,8 @@ def compile_for_sm90(module: TritonModule) -> dict:
             "num_stages": module.num_stages,
             "shared_bytes": kernel.metadata.shared,
             "mma_instructions": ptx.count("mma.sync") + ptx.count("wgmma"),
+            "async_copies": ttgir.count("ttg.async_copy_global_to_local"),
+            "copy_buffers": min(buffers) if buffers else 0,
         }
         ptxas = _ptxas()
         if ptxas:

@@ -35,7 +35,9 @@ on a CPU - Mosaic GPU has no CPU interpreter there and its TMA copies fail under
 ``interpret=True`` - so this is the only backend whose kernels are tested where the project is
 developed; and the same code compiles on jax 0.11.2 (Python 3.12, the GPU machines), where the
 Triton lowering still works though it is deprecated (from 0.11) in favour of Mosaic GPU, its
-successor. A Mosaic GPU port is the way forward once the project can test it. The code uses only
+successor. A Mosaic GPU port is the way forward once the project can test it (the decode
+kernel's docstring gives the trade-off as of issue 31: the Triton pipeliner already overlaps the
+paged K/V copies with the compute once block ids are read before the loop). The code uses only
 APIs present in both releases; version differences are guarded in :mod:`pallas_kernels._compat`
 (``pl.load``/``pl.store`` are not used: refs are indexed).
 

@@ -15,13 +15,29 @@ Kernel design (Triton-style Pallas; one program per ``(sequence, kv_head, contex
 * A ``lax.fori_loop`` over the sequence's blocks, bounded by its context length (never by
   ``max_blocks_per_seq``), ``blocks_per_iter`` blocks per iteration (a ``[blocks_per_iter *
   block_size, head_dim]`` tile, fetched through the block table as a gather on the pool ref).
+  Default: ~32 KiB of K and V per iteration (64 tokens of bf16 at head_dim 128, 128 at 64).
+* Block ids before the loop, so the K/V loads pipeline (the change for Hopper, issue 31): a
+  program reads its split's ``blocks_per_split`` ids (a power of two, at most 256) as one
+  vector before the loop and each iteration picks its ``blocks_per_iter`` ids out of registers
+  (a masked sum). The loop then holds no global load that a K/V address depends on, and
+  Triton's software pipeliner gives each K and V copy ``num_stages - 1`` shared-memory buffers
+  (``cp.async``): with the default ``num_stages=3``, the next tile is in flight while this one
+  is computed. Reading the ids inside the loop (the kernel of the first GPU run) left one
+  buffer at any ``num_stages``: the copy of iteration ``i + 1`` was issued after iteration
+  ``i``'s dots and waited for at the top of ``i + 1`` (``cp.async.wait_group 0``), with a
+  dependent table load in front of it: two DRAM round trips per iteration, nothing in flight
+  during the compute (TTGIR/SASS for sm_90a via ``bench/triton_check.py``: ``copy_buffers``).
 * Scores by a matmul, then an online (streaming) softmax in float32: running max ``m``, running
   denominator ``l``, unnormalised accumulator ``acc``. Tokens at or past the context length are
   masked: their scores become ``-inf`` and their V rows are zeroed, so whatever the unused slots
   and the null block hold (even NaN) cannot leak into the result.
-* Split-K: the block range is cut into ``num_splits`` static slices, one program each; the
-  wrapper merges the partial ``(acc, m, l)`` by log-sum-exp. Splits that start past a
-  sequence's context do no work.
+* Split-K: the block range is cut into ``num_splits`` static slices of ``blocks_per_split``
+  blocks, one program each; the wrapper merges the partial ``(acc, m, l)`` by log-sum-exp.
+  Splits that start past a sequence's context do no work. Default: enough splits for ~512
+  programs (2 waves of 2 programs per SM on an H200's 132 SMs, the shared memory of two
+  pipelined K/V buffers allowing 2), each split at least 2 iterations long: at batch 1 x 4,096
+  tokens with 8 KV heads of 128, 32 splits of 2 iterations (256 programs; before: 16 splits of
+  4); at batch 32 x 2,048, 2 splits of 16 iterations (512 programs; before: 256 programs of 32).
 * Precision: float32 dots are 3xTF32 on the GPU (float32-level accuracy on tensor cores;
   Triton's default for float32 would be plain TF32) and exact float32 in the interpreter. For
   16-bit caches, ``q @ k.T`` is a 16-bit dot with float32 accumulation (exact products); the
@@ -45,6 +61,20 @@ Sliding window and soft-capping (optional, e.g. Mistral / Gemma 2):
   before masking and softmax (Gemma 2's ``attn_logit_softcapping``).
 
 A context length of 0 yields zeros (handy for padded batch rows); valid contexts are >= 1.
+
+Backend: Triton-style Pallas, not Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``), although
+the Triton lowering is deprecated from JAX 0.11. Reasons: (1) the kernel's core is a
+data-dependent gather (block ids read in the kernel index the pool); the Triton lowering turns a
+plain ref index into pipelined ``cp.async`` copies, and that is checked here without a GPU down
+to the SASS (``bench/triton_check.py``). In Mosaic GPU the same walk means a TMA copy per block
+(``copy_gmem_to_smem`` at a block id first brought into registers) with hand-managed barriers
+and buffer rotation: the pipelining the Triton compiler does would be written by hand, and
+its speed could not be checked without a GPU. (2) The project's tests run on jax 0.10.2
+(Python 3.11, CPU machines), where only Triton-style kernels run in ``interpret=True`` (Mosaic
+GPU's TMA copies fail there, :mod:`pallas_kernels`); jax 0.11.2 ships a Mosaic GPU interpret
+mode (``InterpretGPUParams``), so a port could be tested on 3.12 only. A Mosaic GPU port (TMA +
+wgmma, a warp-specialised producer) is the way past what cp.async pipelining reaches, once a GPU
+run shows this kernel short of the goals.
 """
 
 from __future__ import annotations
@@ -61,12 +91,19 @@ from pallas_kernels._common import check_pool, describe, is_power_of_2, next_pow
 
 # Triton's tl.dot needs every dimension >= 16.
 _MIN_DOT_DIM = 16
-# Programs to aim for when choosing the number of context splits (an H200 has 132 SMs).
-_TARGET_PROGRAMS = 256
-# A split gets at least this many loop iterations' worth of blocks.
-_MIN_ITERS_PER_SPLIT = 4
-# Tokens per loop iteration the default blocks_per_iter aims for.
-_TOKENS_PER_ITER = 64
+# Programs to aim for when choosing the number of context splits: an H200 has 132 SMs and
+# holds 2 programs per SM at the default tiles (shared memory: 2 buffers of K and V each), so
+# ~2 waves.
+_TARGET_PROGRAMS = 512
+# A split gets at least this many loop iterations' worth of blocks (2: the pipeline overlaps one
+# tile's copy with the other's dots; small batches want many short splits to fill the SMs).
+_MIN_ITERS_PER_SPLIT = 2
+# Bytes of K and V per loop iteration the default blocks_per_iter aims for, and its bounds.
+_TILE_BYTES = 32 * 1024
+_MIN_TOKENS_PER_ITER = 32
+_MAX_TOKENS_PER_ITER = 128
+# Most block ids a split reads before its loop (a [blocks_per_split] i32 register vector).
+_MAX_BLOCKS_PER_SPLIT = 256
 
 
 def _f32_dot_precision(interpret: bool):
@@ -140,18 +177,26 @@ def _attention_kernel(
         first_block = lo_block + split * split_iters * blocks_per_iter
         end_block = jnp.minimum(first_block + split_iters * blocks_per_iter, num_ctx_blocks)
     num_iters = jnp.maximum(end_block - first_block + blocks_per_iter - 1, 0) // blocks_per_iter
+    # A split that does work starts before the table's last column; one that does none (its
+    # ids are never used) reads from the last in-bounds start instead.
+    table_start = jnp.minimum(first_block, block_tables_ref.shape[1] - blocks_per_split)
+
+    # The split's block ids, read once before the loop (a [blocks_per_split] vector; the table
+    # is padded so that this read is in bounds). The loop picks each iteration's ids out of
+    # registers, so the K/V addresses of later iterations need no global load and Triton's
+    # pipeliner can issue their copies num_stages - 1 iterations ahead (with a table read in
+    # the loop, the copy of iteration i + 1 waits for that read, after iteration i's dots).
+    split_ids = block_tables_ref[seq, pl.ds(table_start, blocks_per_split)].reshape(
+        blocks_per_split // blocks_per_iter, blocks_per_iter
+    )
+    iter_of_id = lax.broadcasted_iota(jnp.int32, split_ids.shape, 0)
 
     def body(i, carry):
         acc, m, l = carry
         start = first_block + i * blocks_per_iter
-        if blocks_per_iter == 1:
-            block_id = block_tables_ref[seq, start]
-            k = kv_ref[layer, block_id, 0, :, kv_head, :]  # [block_size, head_dim]
-            v = kv_ref[layer, block_id, 1, :, kv_head, :]
-        else:
-            block_ids = block_tables_ref[seq, pl.ds(start, blocks_per_iter)]
-            k = kv_ref[layer, block_ids, 0, :, kv_head, :].reshape(tile, head_dim)
-            v = kv_ref[layer, block_ids, 1, :, kv_head, :].reshape(tile, head_dim)
+        block_ids = jnp.sum(jnp.where(iter_of_id == i, split_ids, 0), axis=0)  # [blocks_per_iter]
+        k = kv_ref[layer, block_ids, 0, :, kv_head, :].reshape(tile, head_dim)
+        v = kv_ref[layer, block_ids, 1, :, kv_head, :].reshape(tile, head_dim)
         positions = start * block_size + lax.broadcasted_iota(jnp.int32, (tile,), 0)
         valid = positions < context_len  # [tile]
         if window_start is not None:
@@ -199,17 +244,29 @@ def _attention_kernel(
     l_ref[...] = l
 
 
-def _default_blocks_per_iter(block_size: int, max_blocks_per_seq: int) -> int:
-    per_iter = max(1, _TOKENS_PER_ITER // block_size)
-    per_iter = min(per_iter, next_power_of_2(max_blocks_per_seq))
+def _default_blocks_per_iter(block_size: int, max_blocks: int, head_dim: int, itemsize: int) -> int:
+    """Blocks per iteration: ~``_TILE_BYTES`` of K and V (64 tokens of bf16 at head_dim 128, 128
+    at 64), between 32 and 128 tokens and at least 16 (``tl.dot``)."""
+    tokens = _TILE_BYTES // (2 * head_dim * itemsize)
+    tokens = min(_MAX_TOKENS_PER_ITER, max(_MIN_TOKENS_PER_ITER, next_power_of_2(tokens)))
+    per_iter = max(1, tokens // block_size)
+    per_iter = min(per_iter, next_power_of_2(max_blocks))
     # The K tile must be >= 16 tokens for tl.dot.
     return max(per_iter, next_power_of_2(-(-_MIN_DOT_DIM // block_size)))
 
 
 def _default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, per_iter: int) -> int:
+    """Enough programs for ``_TARGET_PROGRAMS``, each with ``_MIN_ITERS_PER_SPLIT`` iterations."""
     wanted = -(-_TARGET_PROGRAMS // max(1, batch * num_kv_heads))
     most = max(1, max_blocks // (_MIN_ITERS_PER_SPLIT * per_iter))
     return max(1, min(wanted, most))
+
+
+def _blocks_per_split(max_blocks: int, splits: int, per_iter: int) -> int:
+    """Blocks per split: a power of two (the kernel reads a split's ids as one Triton tensor), a
+    multiple of ``per_iter``, at most ``_MAX_BLOCKS_PER_SPLIT`` (the ids stay a few registers)."""
+    wanted = next_power_of_2(-(-max_blocks // max(1, splits)))
+    return max(per_iter, min(wanted, _MAX_BLOCKS_PER_SPLIT))
 
 
 def _check_window_softcap(window, softcap, *, what: str) -> None:
@@ -296,7 +353,7 @@ def paged_attention(
     blocks_per_iter: int | None = None,
     num_splits: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
 ) -> jax.Array:
     """Decode attention of one new query token per sequence over its paged K/V context.
 
@@ -324,9 +381,12 @@ def paged_attention(
       softcap: ``None`` or a Python float c > 0: scaled scores ``s`` become
         ``c * tanh(s / c)`` before masking and softmax (logit soft-capping).
       interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
-      blocks_per_iter: blocks per loop iteration (power of two); default: ~64 tokens.
-      num_splits: context splits (split-K); default: enough programs to fill the GPU.
-      num_warps, num_stages: Triton compiler parameters.
+      blocks_per_iter: blocks per loop iteration (power of two); default: ~32 KiB of K and V.
+      num_splits: context splits (split-K); default: enough programs to fill the GPU. Rounded so
+        that each split is a power of two of blocks (at most 256): the splits used may be fewer,
+        or more where a split would exceed 256 blocks.
+      num_warps, num_stages: Triton compiler parameters (``num_stages - 1`` K/V buffers per
+        program; 2 gives one buffer, no copy in flight during the compute).
 
     Returns:
       ``f[batch, num_heads, head_dim]`` in the dtype of ``q``.
@@ -339,14 +399,16 @@ def paged_attention(
     q_per_kv = num_heads // num_kv_heads
     max_blocks = block_tables.shape[1]
 
-    per_iter = blocks_per_iter or _default_blocks_per_iter(block_size, max_blocks)
+    per_iter = blocks_per_iter or _default_blocks_per_iter(
+        block_size, max_blocks, head_dim, jnp.dtype(kv_cache.dtype).itemsize
+    )
     splits = num_splits or _default_num_splits(batch, num_kv_heads, max_blocks, per_iter)
-    splits = max(1, min(splits, -(-max_blocks // per_iter)))
-    blocks_per_split = -(-max_blocks // (splits * per_iter)) * per_iter
-    if window is None:  # static splits: iterations read whole, aligned slices of the table
+    blocks_per_split = _blocks_per_split(max_blocks, splits, per_iter)
+    splits = -(-max_blocks // blocks_per_split)
+    if window is None:  # static splits: each reads an aligned, whole slice of the table
         padded_blocks = splits * blocks_per_split
-    else:  # iterations start at the window's first block: the last may run per_iter - 1 past
-        padded_blocks = max_blocks + per_iter - 1
+    else:  # splits start anywhere before the context's last block
+        padded_blocks = max_blocks - 1 + blocks_per_split
     if padded_blocks > max_blocks:  # a small copy of the table, never of the pool
         block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_blocks - max_blocks)))
 

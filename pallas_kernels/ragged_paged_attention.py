@@ -66,9 +66,17 @@ Choices (defaults; ``q_tile``, ``blocks_per_iter``, ``num_warps`` and ``num_stag
   0.11.2): these compile without spilling, where 32 rows x 64 keys spilled at width 256 (float32,
   head_dim 128), 32 x 32 did at bfloat16 head_dim 256, and 16 x 16 with 4 warps at width 512
   (bfloat16 head_dim 256 over blocks of 8 still spills 12 bytes). So ``q_tile`` is 16 tokens for a
-  group of 3 or 4 (SmolLM2, Llama 3) and 64 without GQA. Software pipelining: 2 stages, or 1 where
-  two stages' K and V tiles would take over 128 KiB of shared memory (float32, head_dim 256,
-  blocks of 64).
+  group of 3 or 4 (SmolLM2, Llama 3) and 64 without GQA.
+* Block ids before the loop (as in the decode kernel): a table of up to 256 columns (4,096 tokens
+  in blocks of 16) is read whole, once per program, and each iteration picks its ids out of
+  registers, so no global load in the loop feeds a K/V address and Triton's pipeliner gives the
+  K/V copies two or more shared-memory buffers (the next tile in flight during this one's dots;
+  with the ids read in the loop it gave one buffer at any ``num_stages``). Wider tables are read
+  in the loop. Software pipelining: 3 stages with the ids preloaded (2 without: a third buys
+  nothing there), fewer where the stages' K and V tiles would take over 128 KiB of shared memory
+  (float32, head_dim 256, blocks of 64). Checked for sm_90a (``bench/triton_check.py``): no
+  spills at 9/3 heads of 64 and 32/8 of 128, bfloat16 and float32 (255 registers at bfloat16
+  head_dim 128, at the limit).
 * A decode row fills one token of its tile (``group`` of its 64 rows): such tiles are memory
   bound, and a decode-only step keeps its own split-K kernel (:mod:`pallas_kernels.paged_attention`).
   A prompt of ``n`` tokens gives ``cdiv(n, q_tile)`` programs per kv head, the later ones with more
@@ -106,6 +114,9 @@ _TILES_BY_WIDTH = ((128, (64, 64, 4)), (256, (32, 16, 4)), (None, (16, 16, 8)))
 # Shared memory the pipelined K/V tiles may take (two stages of float32 [64, 256] K and V tiles
 # took 296 KiB in all, past the 227 KiB of an H200; one stage: 168 KiB).
 _MAX_STAGED_BYTES = 128 * 1024
+# Widest block table (columns, rounded up to a power of two) whose ids a program reads before its
+# key loop (a [width] i32 register vector, picked from per iteration); wider tables are read in it.
+_MAX_PRELOADED_IDS = 256
 
 
 def _kernel(*refs, windowed: bool, **kwargs):
@@ -136,6 +147,7 @@ def _ragged_attention_kernel(
     q_tile: int,
     blocks_per_iter: int,
     f32_dot,
+    preload_ids: bool,
 ):
     tile_id = pl.program_id(0)
     kv_head = pl.program_id(1)
@@ -167,10 +179,25 @@ def _ragged_attention_kernel(
     row_valid = token < num_q
     q = q_ref[pl.ds(q_first, q_tile), kv_head, :, :].reshape(rows, head_dim)
 
+    if preload_ids:
+        # The row's whole block table, read once before the loop (a [table_width] vector); each
+        # iteration picks its ids out of registers, so no global load sits between one
+        # iteration's K/V copy and the next and Triton's pipeliner can issue copies ahead. An
+        # iteration running past the row's last block picks id 0 there (the null block: masked).
+        table_width = page_indices_ref.shape[1]
+        row_ids = page_indices_ref[row, :]  # [table_width]
+        column = lax.broadcasted_iota(jnp.int32, (blocks_per_iter, table_width), 1)
+        slot_in_iter = lax.broadcasted_iota(jnp.int32, (blocks_per_iter, table_width), 0)
+
     def body(i, carry):
         acc, m, l = carry
         start = lo_block + i * blocks_per_iter
-        if blocks_per_iter == 1:
+        if preload_ids:
+            picked = column == start + slot_in_iter
+            block_ids = jnp.sum(jnp.where(picked, row_ids[None, :], 0), axis=1)
+            k = kv_ref[layer, block_ids, 0, :, kv_head, :].reshape(k_tile, head_dim)
+            v = kv_ref[layer, block_ids, 1, :, kv_head, :].reshape(k_tile, head_dim)
+        elif blocks_per_iter == 1:
             block_id = page_indices_ref[row, start]
             k = kv_ref[layer, block_id, 0, :, kv_head, :]  # [block_size, head_dim]
             v = kv_ref[layer, block_id, 1, :, kv_head, :]
@@ -393,10 +420,17 @@ def ragged_paged_attention(
     tq = q_tile or max(1, rows // group)
     # pipelining stages: each holds a K and a V tile in shared memory (227 KiB on an H100/H200)
     stage_bytes = 2 * per_iter * block_size * head_dim * kv_cache.dtype.itemsize
-    stages = num_stages or (2 if 2 * stage_bytes <= _MAX_STAGED_BYTES else 1)
-    # A key loop starts at any block (a window's first) and its last iteration may run
-    # per_iter - 1 entries past the row's last block: pad the table (a small copy, never the pool).
-    if per_iter > 1:
+    # Tables up to _MAX_PRELOADED_IDS columns are read whole before the key loop (see the kernel).
+    preload_ids = next_power_of_2(max_blocks) <= _MAX_PRELOADED_IDS
+    most_stages = 3 if preload_ids else 2  # without preloading, a third stage buys nothing
+    stages = num_stages or next(
+        (n for n in range(most_stages, 1, -1) if n * stage_bytes <= _MAX_STAGED_BYTES), 1
+    )
+    if preload_ids:  # a power-of-two width (a Triton tensor); ids past the table read as 0
+        page_indices = jnp.pad(page_indices, ((0, 0), (0, next_power_of_2(max_blocks) - max_blocks)))
+    elif per_iter > 1:
+        # A key loop starts at any block (a window's first) and its last iteration may run
+        # per_iter - 1 entries past the row's last block: pad the table (a small copy).
         page_indices = jnp.pad(page_indices, ((0, 0), (0, per_iter - 1)))
     tile_rows, tile_starts = tile_schedule(cu_q_lens, num_tokens, tq)
 
@@ -418,6 +452,7 @@ def ragged_paged_attention(
         q_tile=tq,
         blocks_per_iter=per_iter,
         f32_dot=_f32_dot_precision(interpret),
+        preload_ids=preload_ids,
     )
     whole = _compat.WHOLE_ARRAY
     out = pl.pallas_call(

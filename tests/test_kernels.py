@@ -18,6 +18,8 @@ absolute, since the kernel computes in float32 and rounds once at the end.
 
 from __future__ import annotations
 
+import importlib
+
 import functools
 
 import jax
@@ -385,6 +387,23 @@ def test_paged_attention_window_tiling(window, blocks_per_iter, num_splits):
                     blocks_per_iter=blocks_per_iter, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_attention_blocks_per_split_capped(monkeypatch, window):
+    """A split reads its block ids before its loop, at most _MAX_BLOCKS_PER_SPLIT of them: with
+    the cap at 2 blocks, one split asked for becomes many (and splits past the context, whose
+    ids are never used, read an in-bounds slice of the table)."""
+    module = importlib.import_module("pallas_kernels.paged_attention")
+    monkeypatch.setattr(module, "_MAX_BLOCKS_PER_SPLIT", 2)
+    # the un-jitted wrapper: a jit cache entry traced with the real cap must not be reused
+    monkeypatch.setitem(globals(), "paged_attention", paged_attention.__wrapped__)
+    rng = np.random.default_rng(17)
+    case = make_window_case(rng, window=window or 1 << 20, context_lens=[3, 30, 41, 120, 128],
+                            q_per_kv=2, head_dim=32, dtype=jnp.float32, pad_columns=1,
+                            block_size=8)
+    check_attention(case, jnp.float32, window=None if window is None else jnp.int32(window),
+                    blocks_per_iter=1, num_splits=1)
+
+
 def test_paged_attention_window_is_traced_not_static():
     """One compiled kernel serves every window (it comes from a per-layer array)."""
     rng = np.random.default_rng(51)
@@ -694,6 +713,7 @@ def test_windowed_softcapped_attention_compiles_for_sm90_without_spills(dtype):
     stats = triton_check.compile_for_sm90(module)
     assert stats["mma_instructions"] > 0, stats
     assert stats.get("spill_bytes", 0) == 0, stats
+    assert stats["copy_buffers"] >= 2, stats  # K/V copies in flight during the dots
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,6 +37,22 @@ def test_paged_attention_compiles_for_sm90_without_spills(heads, kv_heads, head_
     assert stats["mma_instructions"] > 0, stats  # the dots run on tensor cores
     assert stats.get("spill_bytes", 0) == 0, stats
     assert stats["shared_bytes"] <= 227 * 1024, stats
+    # The split's block ids are read before the loop, so Triton pipelines the K/V copies: two
+    # buffers each, the next tile's copy in flight while this one is computed.
+    assert stats["copy_buffers"] >= 2, stats
+
+
+def test_paged_attention_one_stage_does_not_overlap():
+    """The check above means something: with num_stages=2 each K/V copy gets one buffer (issued
+    after the previous tile's compute), what the first GPU run's kernel had."""
+    pool = spec((30, 4096, 2, 16, 8, 128), jnp.bfloat16)
+    fn = functools.partial(paged_attention, scale=128**-0.5, num_stages=2)
+    [module] = _triton_check.triton_modules(
+        fn, spec((32, 32, 128), jnp.bfloat16), pool, spec((32, 256), jnp.int32),
+        spec((32,), jnp.int32), layer=spec((), jnp.int32),
+    )
+    stats = _triton_check.compile_for_sm90(module)
+    assert stats["async_copies"] > 0 and stats["copy_buffers"] == 1, stats
 
 
 def test_write_and_copy_compile_for_sm90():

@@ -264,6 +264,21 @@ def test_tiles_are_independent_of_their_order(monkeypatch):
     assert_matches(np.asarray(out), reference64(case, scale=0.3), jnp.float32, "tiles in reverse order")
 
 
+@pytest.mark.parametrize("window", [None, 13])
+def test_block_table_read_in_the_loop(monkeypatch, window):
+    """Tables wider than _MAX_PRELOADED_IDS are read in the key loop, not before it: the same
+    results (the cap at 0 forces that path on a small table)."""
+    module = importlib.import_module("pallas_kernels.ragged_paged_attention")
+    monkeypatch.setattr(module, "_MAX_PRELOADED_IDS", 0)
+    rng = np.random.default_rng(5)
+    case = make_case(rng, MIXED + [(3, 3)], block_size=8, q_per_kv=3, num_tokens=40, window=window)
+    q, kv, *meta = map(jnp.asarray, case.args)
+    out = ragged_paged_attention.__wrapped__(q, kv, *meta, scale=0.3, layer=LAYER, window=window,
+                                             q_tile=8, blocks_per_iter=2, interpret=True)
+    truth = reference64(case, scale=0.3, window=window)
+    assert_matches(np.asarray(out), truth, jnp.float32, f"table read in the loop, window {window}")
+
+
 def test_padding_only_batch_gives_zeros():
     """No real row at all (every row padding, every token padding, NaN queries): zeros, not NaN."""
     rng = np.random.default_rng(19)
@@ -363,6 +378,9 @@ def test_compiles_for_sm90_without_spills(heads, kv_heads, head_dim, dtype):
     assert stats["mma_instructions"] > 0, stats  # the dots run on tensor cores
     assert stats.get("spill_bytes", 0) == 0, stats
     assert stats["shared_bytes"] <= 227 * 1024, stats
+    # the block table (256 columns) is read before the key loop, so the K/V copies are
+    # pipelined: a copy in flight while the previous tile is computed
+    assert stats["copy_buffers"] >= 2, stats
 
 
 # ---------------------------------------------------------------------------------------------
