@@ -13,8 +13,8 @@ decode step, median of 5 rounds of 200 steps. This is where the block manager's 
 The host alone (`--stub-device`, issue 31): the real engine (scheduler, block manager, packing at the
 engine's buckets, sampling inputs, post-processing, detokenizer) on a `StubRunner`, whose model step and
 sampler return at once, so that a step is host time: milliseconds per decode step at 16, 64 and 256
-sequences (wall, and the stepping thread's CPU time, the steadier on a shared machine), split into parts
-by a profile; then, on a simulated device that takes `DEVICE_MS` a step, synchronous against
+sequences (wall, and the stepping thread's CPU time, the steadier on a shared machine; the garbage
+collector's share), split into parts by clocking them; then, on a simulated device that takes `DEVICE_MS` a step, synchronous against
 `async_scheduling=True` steps, and the share of the host's time the overlap hides.
 
     python bench/scheduler_overhead.py [--quick] [--stub-device] [--out bench/results]
@@ -77,6 +77,9 @@ class StubRunner(ModelRunner):
             self._ready_at[id(tokens)] = self._busy_until
             return SamplerOutput(tokens, np.zeros(len(tokens), np.float32), np.repeat(tokens[:, None], k, 1),
                                  np.zeros((len(tokens), k), np.float32), np.zeros(len(tokens), bool))
+        if name == "feed_tokens":  # running ahead (async scheduling): the rows' inputs from the samples before
+            token_ids, source, sampled = args
+            return np.where(source >= 0, np.asarray(sampled)[np.maximum(source, 0)], token_ids)
         if name == "read_blocks":
             return np.zeros((self.cpu_kv.shape[0], len(args[1]), *self.cpu_kv.shape[2:]), self.cpu_kv.dtype)
         return self.cache  # copy_blocks, write_blocks
@@ -134,50 +137,81 @@ def measure(loaded, num_seqs: int, decode_steps: int) -> dict:
     }
 
 
-# the host's parts of a decode step, as the profile names them: (part, "file:function" whose cumulative time it is)
-PARTS = (("schedule", "scheduler.py:schedule"), ("pack", "runner.py:make_inputs"),
-         ("sample_inputs", "runner.py:dispatch_sample"), ("post_process", "llm_engine.py:_append_sample"),
-         ("outputs", "llm_engine.py:_request_output"), ("statistics", "llm_engine.py:_record_usage"))
+# the host's parts of a decode step: (part, the object ("engine", "scheduler" or "runner") and method whose
+# time it is)
+PARTS = (("schedule", "scheduler", "schedule"), ("pack", "runner", "make_inputs"),
+         ("sample_inputs", "runner", "dispatch_sample"), ("post_process", "engine", "_apply"),
+         ("outputs", "engine", "_request_output"), ("statistics", "engine", "_record_usage"))
+
+
+def timed_parts(engine, steps: int) -> tuple[float, dict]:
+    """One round of `steps` steps with each of `PARTS` wrapped in a clock of the stepping thread's CPU time:
+    (the round's CPU seconds, part -> its seconds). The wrappers cost a little (one per request for
+    "outputs"), so the shares, not the sums, are what to read."""
+    spent = dict.fromkeys([name for name, _, _ in PARTS], 0.0)
+    owners = {"engine": engine, "scheduler": engine.scheduler, "runner": engine.runner}
+
+    def clocked(name, method):
+        def run(*args, **kwargs):
+            c0 = time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[name] += time.thread_time() - c0
+        return run
+
+    for name, owner, method in PARTS:
+        setattr(owners[owner], method, clocked(name, getattr(owners[owner], method)))
+    try:
+        c0 = time.thread_time()
+        for _ in range(steps):
+            engine.step()
+        return time.thread_time() - c0, spent
+    finally:
+        for _, owner, method in PARTS:
+            delattr(owners[owner], method)  # the class's method again
 
 
 def measure_stub(loaded, num_seqs: int, steps: int, rounds: int = 5) -> dict:
     """Host time per decode step on a `StubRunner`, where a step is host time alone: wall and CPU time
     of the stepping thread (the CPU time is the steadier on a loaded machine), medians of `rounds`
-    rounds of `steps` steps; alternating with those, rounds with the objects alive at the start frozen
-    out of the cyclic garbage collector (`gc.freeze()`, as vLLM's engine core does after start-up).
-    Then one profiled round (cProfile) for the parts' shares (`PARTS`; "other": the rest), scaled
-    to the median CPU time."""
-    import cProfile
+    rounds of `steps` steps, with the garbage collector's share of it (its collections, timed through
+    `gc.callbacks`: the engine freezes the heap alive when it is built, `LLMEngine`'s docstring).
+    Then one round with the parts clocked (`timed_parts`) for their shares (`PARTS`; "other": the rest),
+    scaled to the median CPU time (a profiler's cost per call would inflate the parts of many small calls)."""
     import gc
-    import pstats
     import statistics
 
-    engine = decoding_engine(loaded, num_seqs, steps * (2 * rounds + 1), stub=True)
-    times: dict[str, list[float]] = {"wall": [], "cpu": [], "cpu_gc_frozen": []}
-    for _ in range(rounds):
-        for frozen in (False, True):
-            if frozen:
-                gc.collect()
-                gc.freeze()
+    engine = decoding_engine(loaded, num_seqs, steps * (rounds + 1), stub=True)
+    times: dict[str, list[float]] = {"wall": [], "cpu": [], "gc": []}
+    collections = {"start": 0.0, "seconds": 0.0, "by_generation": [0, 0, 0]}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            collections["start"] = time.perf_counter()
+        else:
+            collections["seconds"] += time.perf_counter() - collections["start"]
+            collections["by_generation"][info["generation"]] += 1
+
+    gc.callbacks.append(on_gc)
+    try:
+        for _ in range(rounds):
+            gc_before = collections["seconds"]
             t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(steps):
                 engine.step()
-            wall, cpu = (time.perf_counter() - t0) / steps, (time.thread_time() - c0) / steps
-            if frozen:
-                gc.unfreeze()
-                times["cpu_gc_frozen"].append(cpu)
-            else:
-                times["wall"].append(wall)
-                times["cpu"].append(cpu)
-    profile = cProfile.Profile()
-    profile.runcall(lambda: [engine.step() for _ in range(steps)])
-    stats = pstats.Stats(profile).stats
-    cumulative = {f"{Path(file).name}:{name}": ct for (file, _, name), (_, _, _, ct, _) in stats.items()}
+            times["wall"].append((time.perf_counter() - t0) / steps)
+            times["cpu"].append((time.thread_time() - c0) / steps)
+            times["gc"].append((collections["seconds"] - gc_before) / steps)
+    finally:
+        gc.callbacks.remove(on_gc)
+    total, spent = timed_parts(engine, steps)
     ms = {name: 1e3 * statistics.median(values) for name, values in times.items()}
-    parts = {part: ms["cpu"] * cumulative.get(key, 0.0) / cumulative["llm_engine.py:step"] for part, key in PARTS}
+    parts = {part: ms["cpu"] * seconds / total for part, seconds in spent.items()}
     parts["other"] = ms["cpu"] - sum(parts.values())
     return {"num_seqs": num_seqs, "steps": steps, "rounds": rounds, "host_ms": ms["wall"], "host_cpu_ms": ms["cpu"],
-            "host_cpu_ms_gc_frozen": ms["cpu_gc_frozen"], "parts_ms": parts,
+            "gc_ms": ms["gc"], "gc_collections_per_step": [n / (rounds * steps) for n in collections["by_generation"]],
+            "parts_ms": parts,
             "rounds_ms": {name: [1e3 * t for t in values] for name, values in times.items()}}
 
 
@@ -279,7 +313,7 @@ def main_stub(loaded, args) -> dict:
         rows.append(row)
         parts = ", ".join(f"{k} {v:.2f}" for k, v in row["parts_ms"].items())
         print(f"{num_seqs:4d} seqs, stub device: host {row['host_ms']:6.2f} ms a decode step, CPU {row['host_cpu_ms']:6.2f} "
-              f"({parts}); gc frozen: CPU {row['host_cpu_ms_gc_frozen']:6.2f}", flush=True)
+              f"({parts}); garbage collector {row['gc_ms']:.2f} ms a step", flush=True)
     overlap = measure_overlap(loaded, 256, steps, DEVICE_MS)
     print(f" 256 seqs, simulated device of {DEVICE_MS} ms a step: synchronous {overlap['sync_step_ms']:.2f} ms a step, "
           f"async scheduling {overlap['async_step_ms']:.2f}; host time hidden {overlap['host_hidden_fraction']:.0%}",

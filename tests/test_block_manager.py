@@ -621,3 +621,88 @@ def test_sliding_window_recompute_reallocates_the_whole_context():
     bm, _ = bm.append([("a", 21)])  # reads 16..21: blocks 1-4 are dead
     assert bm.block_table("a") == (0, 0, 0, 0, 5, 6) and bm.free_block_ids == (7, 8, 9, 1, 2, 3, 4)
     bm.check_invariants()
+
+
+# ---------------------------------------------------------------- the host loop's per-step helpers
+
+class _Plain:
+    """A KV cache manager without the optional members (`append_slots`, `num_filled_slots`,
+    `max_blocks_per_append`): the module's functions must take the slow way with it."""
+
+    def __init__(self, bm):
+        self.bm = bm
+
+    def __getattr__(self, name):
+        if name in ("append_slots", "num_filled_slots", "max_blocks_per_append"):
+            raise AttributeError(name)
+        return getattr(self.bm, name)
+
+    def append(self, appends):
+        bm, ops = self.bm.append(appends)
+        return _Plain(bm), ops
+
+
+def test_kept_utilization_follows_lookahead_fork_swap_and_free():
+    """`num_filled_slots` counts token slots only: lookahead slots fill none until `commit_lookahead`
+    accepts drafts; a forked (shared) block counts once, its copy-on-write copy apart; swapped-out
+    sequences' blocks are not on the device. At each step it equals a walk of the tables (and
+    `kv_utilization` a manager's without the counter)."""
+    def walked(bm):
+        assert bm.num_filled_slots == sum(filled_slots(bm).values())
+        assert kv_utilization(bm) == kv_utilization(_Plain(bm))
+        return bm.num_filled_slots
+
+    bm = BlockManager.create(16, 4, num_cpu_blocks=8)
+    bm, _ = bm.allocate("a", [1, 2, 3, 4, 5])  # blocks of 4 + 1 tokens
+    assert walked(bm) == 5 and kv_utilization(bm) == 5 / 8
+    bm, _ = bm.append([("a", 6)], lookahead=5)  # 6 tokens and 5 lookahead slots: 3 blocks, the 3rd all lookahead
+    assert len(bm.block_table("a")) == 3 and walked(bm) == 6 and kv_utilization(bm) == 6 / 12
+    bm = bm.commit_lookahead("a", [7, 8, 9])  # 3 drafts accepted: 9 tokens, the lookahead-only block kept
+    assert walked(bm) == 9 and len(bm.block_table("a")) == 3
+    bm = bm.fork("a", "b")  # shared: counted once
+    assert walked(bm) == 9
+    bm, ops = bm.append([("b", 10)])  # copy-on-write of the shared last block (1 token) into b's own
+    assert ops.copy_pairs and walked(bm) == 9 + 2
+    bm, _ = bm.swap_out(["b"])
+    assert walked(bm) == 9
+    bm, _ = bm.swap_in(["b"])  # back in blocks of its own: what it shared with a is no longer shared
+    assert walked(bm) == 9 + 10
+    bm = bm.free(["a", "b"])
+    assert walked(bm) == 0 and kv_utilization(bm) is None
+
+
+def test_kept_utilization_with_prefix_hits_and_a_window():
+    """A prefix-cache hit on a cached-free block counts its slots again; blocks a sliding window
+    releases stop counting."""
+    bm = BlockManager.create(12, 4, enable_prefix_caching=True)
+    bm, _ = bm.allocate("a", list(range(9)))
+    bm = bm.free(["a"])  # its two full blocks stay cached (free)
+    assert bm.num_filled_slots == 0
+    bm, cached = bm.allocate("b", list(range(9)) + [50])
+    assert cached == 8 and bm.num_filled_slots == 10 == sum(filled_slots(bm).values())
+    windowed = BlockManager.create(12, 4, sliding_window=4)
+    windowed, _ = windowed.allocate("w", list(range(10)))
+    for t in range(6):
+        windowed, _ = windowed.append([("w", t)])
+        assert windowed.num_filled_slots == sum(filled_slots(windowed).values())
+    assert windowed.num_null_blocks("w") > 0 and windowed.num_filled_slots < windowed.num_tokens("w")
+
+
+def test_append_slots_helper_and_appends_fit():
+    """`kv_cache_manager.append_slots` gives the same snapshot, slots and tables through a manager's own
+    `append_slots` or, without one, `append` and a lookup per sequence; `appends_fit` holds only where a
+    manager bounds an append's blocks per sequence."""
+    from jpaged.core.kv_cache_manager import append_slots, appends_fit
+
+    bm = BlockManager.create(10, 4)
+    for s, n in (("a", 4), ("b", 6), ("c", 1)):
+        bm, _ = bm.allocate(s, list(range(n)))
+    bm = bm.fork("b", "d")  # d's append copies b's shared last block
+    appends = [("a", 9), ("b", 9), ("d", 9), ("c", 9)]
+    fast, fast_ops, slots, tables = append_slots(bm, appends)
+    slow, slow_ops, slow_slots, slow_tables = append_slots(_Plain(bm), appends)
+    assert fast_ops == slow_ops and fast_ops.copy_pairs and slots == slow_slots and tables == slow_tables
+    assert [fast.block_table(s) for s, _ in appends] == [slow.bm.block_table(s) for s, _ in appends] == tables
+    assert slots == [fast.slot(s, fast.num_tokens(s) - 1) for s, _ in appends]
+    assert appends_fit(bm, 4, 4) and not appends_fit(bm, 5, 4)
+    assert not appends_fit(_Plain(bm), 1, 100)

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import jpaged.core.persistent as persistent
 from jpaged.core.block_manager import BlockManager
-from jpaged.core.kv_cache_manager import NULL_BLOCK_ID, OutOfBlocksError
+from jpaged.core.kv_cache_manager import NULL_BLOCK_ID, OutOfBlocksError, filled_slots, kv_utilization
 
 PREFIXES = ([], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9, 1])  # shared prompts
 tokens_st = st.lists(st.integers(0, 3), max_size=6)
@@ -122,7 +122,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.bm.append(appends)
             return
         free_before = self.bm.num_free_blocks
-        self.bm, ops = self.bm.append(appends)
+        if data.draw(st.booleans(), label="append_slots"):
+            # the batched decode append: the snapshot `append` gives (and, without a window, whose releases
+            # come before a batch's allocations, appends one sequence at a time), with each sequence's new
+            # slot and block table
+            (bm, ops, slots, tables), (reference, reference_ops) = self.bm.append_slots(appends), self.bm.append(appends)
+            assert self.fingerprint(bm) == self.fingerprint(reference) and ops == reference_ops
+            assert bm.num_filled_slots == reference.num_filled_slots
+            if not self.windowed:
+                one_by_one, pairs = self.bm, ()
+                for item in appends:
+                    one_by_one, one_ops = one_by_one.append([item])
+                    pairs += one_ops.copy_pairs
+                assert self.fingerprint(bm) == self.fingerprint(one_by_one) and ops.copy_pairs == pairs
+            n = {s: bm.num_tokens(s) for s in seq_ids}
+            assert slots == [bm.slot_mapping(s, n[s] - 1, n[s])[0] for s in seq_ids]
+            assert tables == [bm.block_table(s) for s in seq_ids]
+            self.bm = bm
+        else:
+            self.bm, ops = self.bm.append(appends)
         assert free_before - self.bm.num_free_blocks <= len(seq_ids)
         if self.windowed:  # right after an append: the window's bound
             assert all(len(self.live(s)) <= self.bm.max_window_blocks for s in seq_ids)
@@ -194,6 +212,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.old = (self.bm, self.fingerprint(self.bm))
         stats = self.bm.stats()
         assert stats["num_free_blocks"] + stats["num_used_blocks"] == self.bm.num_blocks - 1
+
+    @invariant()
+    def kept_utilization_is_a_walk(self):
+        """The counter the block manager keeps (`num_filled_slots`) against a walk of every block table."""
+        walked = sum(filled_slots(self.bm).values())
+        assert self.bm.num_filled_slots == walked
+        used = self.bm.num_blocks - 1 - self.bm.num_free_blocks
+        assert kv_utilization(self.bm) == (walked / (used * self.bm.block_size) if used else None)
 
     @invariant()
     def every_sequence_reads_its_own_prefix(self):

@@ -107,3 +107,70 @@ def engine_seed(engine, out) -> int:
     """The seed the engine drew for a request given none (its generator, in arrival order)."""
     rng = np.random.default_rng(engine.config.seed)
     return [int(rng.integers(2**32)) for _ in range(int(out.request_id) + 1)][-1]
+
+
+def test_deferred_outputs_are_the_outputs_at_their_step(default_model):
+    """A step's outputs are built when first read (`RequestOutput.deferred`): read steps later, they hold
+    what an output built at the step (`_completions`, eagerly) held, whatever the sequences did since
+    (more tokens, text held back for a stop string, finishing); they pickle, copy and compare as plain
+    `RequestOutput`s, and every field stays readable."""
+    import copy
+    import dataclasses
+    import pickle
+
+    from jpaged import SamplingParams
+    from jpaged.engine.outputs import RequestMetrics, RequestOutput
+
+    engine = decoding_engine(default_model, 2, 3, stub=True)
+    engine.add_request("stop", [300, 301], SamplingParams(max_tokens=12, stop=["e"], temperature=0.5, seed=1))
+    engine.add_request("n2", [302, 303], SamplingParams(n=2, max_tokens=5, logprobs=2, seed=2))
+    kept = []  # (deferred output, the same output built eagerly at its step)
+    while engine.has_unfinished():
+        s = engine.scheduler
+        groups = {g.request_id: g for g in [*engine._new, *s.waiting, *s.running, *s.swapped]}
+        for out in engine.step():
+            group = groups[out.request_id]
+            eager = RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
+                                  engine._completions(group), group.is_finished,
+                                  RequestMetrics(group.arrival_time, group.first_scheduled_time, group.first_token_time,
+                                                 group.finished_time, group.num_preemptions, group.num_cached_tokens),
+                                  group.error)
+            assert "_build" in out.__dict__, "built at the step, not deferred"
+            kept.append((out, eager))
+    assert {out.request_id for out, _ in kept} >= {"stop", "n2", "0", "1"} and len(kept) > 10
+    assert any(out.finished and out.outputs[0].finish_reason == "stop" for out, _ in kept if out.request_id == "stop")
+    for i, (out, eager) in enumerate(kept):  # read long after their steps
+        if i % 3 == 0:
+            assert pickle.loads(pickle.dumps(out)) == eager
+        elif i % 3 == 1:
+            assert copy.deepcopy(out) == eager and dataclasses.asdict(out) == dataclasses.asdict(eager)
+        assert out == eager and eager == out and repr(out) == repr(eager)
+        assert "_build" not in out.__dict__
+    n2 = [out for out, _ in kept if out.request_id == "n2"][-1]
+    assert [len(o.logprobs) for o in n2.outputs] == [len(o.token_ids) for o in n2.outputs] == [5, 5]
+    with pytest.raises(AttributeError):
+        kept[0][0].no_such_field
+
+
+def test_block_table_cache_packs_what_the_tables_say():
+    """Packing with a `BlockTableCache` (the runner's, kept across steps) gives the arrays packing without one
+    gives, step after step: tables kept (the same tuples), grown (new tuples), new ones whose object may
+    reuse a dropped one's identity, and lists (converted every time, even when changed in place)."""
+    from jpaged.device.batch import BlockTableCache, StepShapes
+
+    shapes = StepShapes(block_size=4, q_tile=2, prefill_k_tile=8, decode_k_tile=8, max_num_seqs=8,
+                        max_prefill_tokens=64, max_model_len=64, max_width=16, reads_plan=(False, False),
+                        reads_tables=(True, True))
+    rng = random.Random(0)
+    cache, tables, mutable = BlockTableCache(), [tuple(rng.sample(range(1, 99), 3)) for _ in range(5)], [7, 8]
+    for step in range(30):
+        i = rng.randrange(len(tables))
+        tables[i] = tables[i] + (rng.randrange(1, 99),) if len(tables[i]) < 16 else (rng.randrange(1, 99),)
+        if step % 7 == 3:
+            tables[rng.randrange(len(tables))] = tuple(rng.sample(range(1, 99), rng.randrange(1, 6)))  # a new table
+        mutable[0] += 1  # a list changed in place
+        rows = [Row([1], len(t) * 4 - 1, [5], t) for t in tables] + [Row([1], 7, [5], mutable)]
+        with_cache = shapes.pack(rows, decode=True, table_cache=cache)
+        np.testing.assert_array_equal(with_cache.block_tables, shapes.pack(rows, decode=True).block_tables)
+        for b, r in enumerate(rows):
+            assert with_cache.block_tables[b, :len(r.block_table)].tolist() == list(r.block_table)

@@ -197,3 +197,58 @@ def test_a_recomputed_group_that_can_never_come_back_ends_with_length():
     assert all(len(s.output_token_ids) == 2 for s in g.seqs)  # what it generated is kept
     assert not h.scheduler.has_unfinished() and h.scheduler.block_manager.num_free_blocks == 8
 
+
+
+class _WithoutShortcuts:
+    """A KV cache manager (a `BlockManager` inside) without the optional members the decode step's fast
+    path reads (`append_slots`, `max_blocks_per_append`, `num_filled_slots`): every operation's result is
+    wrapped again, so the scheduler takes the slow way at every step."""
+
+    HIDDEN = ("append_slots", "max_blocks_per_append", "num_filled_slots")
+
+    def __init__(self, bm):
+        self.bm = bm
+
+    def __getattr__(self, name):
+        if name in self.HIDDEN:
+            raise AttributeError(name)
+        value = getattr(self.bm, name)
+        if not callable(value):
+            return value
+
+        def call(*args, **kwargs):
+            out = value(*args, **kwargs)
+            if isinstance(out, BlockManager):
+                return _WithoutShortcuts(out)
+            if isinstance(out, tuple) and out and isinstance(out[0], BlockManager):
+                return (_WithoutShortcuts(out[0]),) + out[1:]
+            return out
+        return call
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_batched_decode_path_schedules_as_the_per_sequence_one(mode, chunked):
+    """The decode step's batched appends (`kv_cache_manager.append_slots`, and the `appends_fit` shortcut)
+    give the rows, block operations and preemptions that the per-sequence way gives (`append`, then a slot
+    and table lookup per sequence, and a block count per group), step by step through admissions,
+    copy-on-write of n samples, preemption and finishing, in a pool too small for everything."""
+    def run(wrap):
+        h = Harness(14, mode=mode, enable_chunked_prefill=chunked, max_num_batched_tokens=16)
+        if wrap:
+            h.scheduler.block_manager = _WithoutShortcuts(h.scheduler.block_manager)
+        for i, (length, max_tokens, n) in enumerate([(5, 9, 1), (3, 12, 2), (7, 6, 1), (2, 14, 1), (6, 8, 2)]):
+            h.add(f"g{i}", length, max_tokens=max_tokens, n=n, arrival=float(i), first_token=10 * i + 1)
+        trace = []
+        while h.scheduler.has_unfinished():
+            out = h.step()
+            trace.append((out.is_decode, [tuple(r) for r in out.rows], [[s.seq_id for s in seqs] for seqs in out.row_seqs],
+                          out.ops, names(out.preempted), names(out.finished)))
+            assert len(trace) < 500
+        return trace
+
+    fast, slow = run(False), run(True)
+    assert fast == slow
+    assert any(ops.copy_pairs for _, _, _, ops, _, _ in fast), "meant to copy on write"
+    assert any(preempted for *_, preempted, _ in fast), "meant to preempt"
+    assert sum(is_decode for is_decode, *_ in fast) > 10

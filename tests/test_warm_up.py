@@ -84,6 +84,32 @@ def test_warm_up_builds_every_shape_and_serving_compiles_nothing(warmed):
     assert engine.runner.num_compilations_after_warm_up == 1 and lowerings.events
 
 
+def test_async_warm_up_builds_feed_tokens(warmed, default_model):
+    """With async scheduling a decode step run ahead takes its input tokens from the samples of the step
+    before, on the device (`ModelRunner.feed_tokens`): the warm-up builds it too, for each decode row count
+    (here the only executables missing from the runner the synchronous engine warmed), so that an async run
+    compiles nothing after it either."""
+    import dataclasses
+
+    from jpaged import LLMEngine
+
+    llm, _, _ = warmed
+    engine = LLMEngine(dataclasses.replace(llm.engine.config, async_scheduling=True), loaded=default_model,
+                       runner=llm.engine.runner)
+    summary = engine.warm_up()
+    assert summary.executables["feed_tokens"] == 2 and summary.built == 2 and summary.num_executables == 36
+    records = []
+    engine.add_observer(records.append)
+    with Lowerings() as lowerings:
+        for i, prompt in enumerate([[5, 6, 7], [8, 9]]):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    assert any(c.name == "feed_tokens" for r in records for c in r.calls), "meant to run a step ahead"
+    assert not any(r.compiled for r in records) and lowerings.events == []
+    assert engine.stats()["num_compilations_after_warm_up"] == 0
+
+
 def test_metrics_count_compilations_after_the_warm_up(warmed):
     from test_server import Running
 

@@ -66,6 +66,12 @@ positions: `allocate` takes the largest k (k <= (len - 1) // block_size) such th
 num_dead(k * block_size) .. k - 1 are all cached, even where blocks before them were evicted; it
 maps those blocks and leaves the dead ones null.
 
+KV utilization: `num_filled_slots` counts the token slots holding K/V in the device blocks in use (a
+block shared by several tables counted once: its holders agree on its fill; lookahead slots and
+released entries hold none). Every operation keeps it as it takes and releases blocks (O(1) per
+block touched), so that a per-step statistic never walks the pool (`check_invariants` compares it
+with a walk).
+
 Orders (tests pin them): allocation pops the front of the free list; a freed block goes to its
 back. With prefix caching, uncached free blocks are used first, then cached-free blocks least
 recently freed first (their cache entries are dropped). `free` releases each sequence's blocks
@@ -76,6 +82,7 @@ releases in `append` go in logical order, sequence by sequence in the batch's or
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -106,6 +113,9 @@ class _Seq(NamedTuple):
         return self.block_ids[self.num_null:]
 
 
+_new_seq = functools.partial(tuple.__new__, _Seq)  # every field given, without the Python-level __new__
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class BlockManager:
     """Snapshot of the device and CPU block pools and every sequence's block table; build one with
@@ -125,6 +135,11 @@ class BlockManager:
     _cpu_refcounts: Table  # CPU block id -> refcount, for blocks in use only
     _free_cpu: Queue  # free CPU blocks
     sliding_window: int | None = None  # every layer's window W (module docstring), None: none
+    num_filled_slots: int = 0  # token slots holding K/V in the device blocks in use (module docstring)
+
+    # the most free device blocks an `append` of one token (no lookahead) takes per sequence: a new
+    # block or a copy-on-write copy, never both (the scheduler's shortcut: `appends_fit`)
+    max_blocks_per_append = 1
 
     @classmethod
     def create(cls, num_blocks: int, block_size: int, *, num_cpu_blocks: int = 0,
@@ -339,11 +354,11 @@ class BlockManager:
                                    f"{num_needed} blocks, {self.num_free_blocks} free")
         edit = _Edit(self)
         for block_id in hits:
-            edit.acquire(block_id)
+            edit.acquire(block_id, filled=bs)  # a hit is a full block
         block_ids = [NULL_BLOCK_ID] * num_null + hits
         computed = len(hashes) if num_computed is None else max(k, min(num_computed // bs, len(hashes)))
         for i in range(k, blocks_for(n, bs)):
-            block_ids.append(edit.allocate_block())
+            block_ids.append(edit.allocate_block(filled=min(bs, n - i * bs)))
             if i < computed:
                 edit.cache(hashes[i], block_ids[-1])
         partial = tuple(token_ids[len(hashes) * bs:]) if self.enable_prefix_caching else ()
@@ -377,38 +392,61 @@ class BlockManager:
         every sequence, or per sequence id): slots held past the new token for this step's draft
         tokens, in new blocks of their own where the token's block has no room
         (`commit_lookahead` ends them)."""
+        manager, ops, _, _ = self._append(appends, lookahead, rows=False)
+        return manager, ops
+
+    def append_slots(self, appends: Sequence[tuple[SeqId, int]]) -> tuple[
+            BlockManager, DeviceOps, list[int], list[tuple[int, ...]]]:
+        """A decode step's blocks in one call: `append(appends)` (no lookahead), plus, for each
+        sequence in order, the slot its new token's K/V goes to and its block table afterwards
+        (what `slot_mapping` and `block_table` would say, without a lookup per sequence)."""
+        return self._append(appends, 0, rows=True)
+
+    def _append(self, appends, lookahead, rows: bool):
         check_unique([seq_id for seq_id, _ in appends])
         edit, bs, copy_pairs = _Edit(self), self.block_size, []
+        slots, tables = [], []
         if self.sliding_window is not None:
             for seq_id, _ in appends:
                 seq = _checked(edit.seqs.get(seq_id), seq_id, swapped=False)
                 if (num_null := self.num_dead_blocks(seq.num_tokens)) > seq.num_null:
                     for block_id in seq.block_ids[seq.num_null:num_null]:
-                        edit.release(block_id)
+                        edit.release(block_id, filled=bs)  # a dead block is full
                     edit.seqs[seq_id] = seq._replace(
                         block_ids=(NULL_BLOCK_ID,) * num_null + seq.block_ids[num_null:], num_null=num_null)
+        seqs, refcounts, caching = edit.seqs, edit.refcounts, self.enable_prefix_caching
+        per_seq = not isinstance(lookahead, int)
         for seq_id, token_id in appends:
-            seq = _checked(edit.seqs.get(seq_id), seq_id, swapped=False)
+            shard = seqs.writable_shard(seq_id)  # (read and written here: one lookup a sequence)
+            seq = shard.get(seq_id)
+            if seq is None or seq.swapped:
+                _checked(seq, seq_id, swapped=False)
             if seq.uncomputed or seq.num_lookahead:
                 raise ValueError(f"cannot append to sequence {seq_id!r}: it holds uncomputed blocks "
                                  "(cache_computed) or lookahead slots (commit_lookahead)")
-            block_ids, parent, partial = seq.block_ids, seq.parent_hash, seq.partial_token_ids
-            if seq.num_tokens % bs == 0:
-                block_ids += (edit.allocate_block(),)
-            elif edit.refcounts[last := block_ids[-1]] > 1:  # copy-on-write
-                block_ids = block_ids[:-1] + (edit.allocate_block(),)
-                edit.release(last)
+            block_ids, parent, partial, n = seq.block_ids, seq.parent_hash, seq.partial_token_ids, seq.num_tokens
+            offset = n % bs
+            if offset == 0:
+                block_ids += (edit.allocate_block(filled=1),)
+            elif refcounts[last := block_ids[-1]] > 1:  # copy-on-write: the copy holds the shared slots and the new one
+                block_ids = block_ids[:-1] + (edit.allocate_block(filled=offset + 1),)
+                edit.release(last, filled=offset)
                 copy_pairs.append((last, block_ids[-1]))
-            if self.enable_prefix_caching:
+            else:
+                edit.num_filled_slots += 1
+            if caching:
                 partial += (token_id,)
                 if len(partial) == bs:
                     parent, partial = edit.cache((parent, partial), block_ids[-1]), ()
-            k = lookahead if isinstance(lookahead, int) else lookahead.get(seq_id, 0)
-            for _ in range(blocks_for(seq.num_tokens + 1 + k, bs) - len(block_ids)):
-                block_ids += (edit.allocate_block(),)
-            edit.seqs[seq_id] = seq._replace(block_ids=block_ids, num_tokens=seq.num_tokens + 1,
-                                             parent_hash=parent, partial_token_ids=partial, num_lookahead=k)
-        return edit.snapshot(), DeviceOps(copy_pairs=tuple(copy_pairs))
+            k = lookahead.get(seq_id, 0) if per_seq else lookahead
+            if k:
+                for _ in range(blocks_for(n + 1 + k, bs) - len(block_ids)):
+                    block_ids += (edit.allocate_block(),)  # lookahead slots hold no token yet
+            shard[seq_id] = _new_seq((block_ids, n + 1, False, parent, partial, seq.num_null, (), k))
+            if rows:
+                slots.append(block_ids[n // bs] * bs + offset)
+                tables.append(block_ids)
+        return edit.snapshot(), DeviceOps(copy_pairs=tuple(copy_pairs)), slots, tables
 
     def commit_lookahead(self, seq_id: SeqId, token_ids: Sequence[int]) -> BlockManager:
         """Ends a sequence's lookahead slots: the first len(token_ids) of them now hold these tokens
@@ -427,9 +465,10 @@ class BlockManager:
                 partial += (token_id,)
                 if len(partial) == bs:
                     parent, partial = edit.cache((parent, partial), seq.block_ids[(n - 1) // bs]), ()
+        edit.num_filled_slots += n - seq.num_tokens  # the accepted drafts' slots (lookahead blocks are the sequence's own)
         keep = blocks_for(n, bs)
         for block_id in reversed(seq.block_ids[keep:]):
-            edit.release(block_id)
+            edit.release(block_id)  # past the tokens: no slot filled
         edit.seqs[seq_id] = seq._replace(block_ids=seq.block_ids[:keep], num_tokens=n, parent_hash=parent,
                                          partial_token_ids=partial, num_lookahead=0)
         return edit.snapshot()
@@ -458,8 +497,8 @@ class BlockManager:
         for seq_id in seq_ids:
             seq = _checked(edit.seqs.get(seq_id), seq_id)
             del edit.seqs[seq_id]
-            for block_id in reversed(seq.live):
-                edit.release(block_id, cpu=seq.swapped)
+            for j in reversed(range(seq.num_null, len(seq.block_ids))):
+                edit.release(seq.block_ids[j], cpu=seq.swapped, filled=_filled(seq.num_tokens, j, self.block_size))
         return edit.snapshot()
 
     def forget_cached(self) -> BlockManager:
@@ -490,13 +529,14 @@ class BlockManager:
             if seq.uncomputed or seq.num_lookahead:
                 raise ValueError(f"cannot swap out sequence {seq_id!r}: it holds uncomputed blocks "
                                  "(cache_computed) or lookahead slots (commit_lookahead)")
-            for block_id in seq.live:
+            fills = [_filled(seq.num_tokens, j, self.block_size) for j in range(seq.num_null, len(seq.block_ids))]
+            for block_id, filled in zip(seq.live, fills):
                 if block_id in moved:
                     edit.acquire(moved[block_id], cpu=to_cpu)
                 else:
-                    moved[block_id] = edit.allocate_block(cpu=to_cpu)
-            for block_id in reversed(seq.live):
-                edit.release(block_id, cpu=not to_cpu)
+                    moved[block_id] = edit.allocate_block(cpu=to_cpu, filled=filled)
+            for block_id, filled in zip(reversed(seq.live), reversed(fills)):
+                edit.release(block_id, cpu=not to_cpu, filled=filled)
             block_ids = (NULL_BLOCK_ID,) * seq.num_null + tuple(moved[b] for b in seq.live)
             edit.seqs[seq_id] = seq._replace(block_ids=block_ids, swapped=to_cpu)
         pairs = tuple(moved.items())
@@ -560,6 +600,9 @@ class BlockManager:
         for block_id in block_hashes:
             filled = fill.get((False, block_id), (None, bs))[1]
             assert filled == bs, f"block {block_id} is cached with {filled}/{bs} slots filled"
+        walked = sum(max(0, f) for (swapped, _), (_, f) in fill.items() if not swapped)
+        assert self.num_filled_slots == walked, (
+            f"num_filled_slots is {self.num_filled_slots}, the block tables fill {walked} slots")
 
     def stats(self) -> dict:
         """Counts of blocks (null entries of windowed tables are not blocks in use)."""
@@ -582,6 +625,12 @@ class BlockManager:
         return (f"BlockManager(block_size={self.block_size}, blocks used/free/total="
                 f"{s['num_used_blocks']}/{s['num_free_blocks']}/{self.num_blocks}, cpu used="
                 f"{s['num_used_cpu_blocks']}/{self.num_cpu_blocks}, seqs={s['num_seqs']})")
+
+
+def _filled(num_tokens: int, index: int, block_size: int) -> int:
+    """Token slots of logical block `index` that a sequence of `num_tokens` tokens fills (0 for a
+    lookahead block past its tokens)."""
+    return max(0, min(block_size, num_tokens - index * block_size))
 
 
 def _checked(seq: _Seq | None, seq_id: SeqId, swapped: bool | None = None) -> _Seq:
@@ -619,8 +668,10 @@ class _Edit:
         self.block_hashes: TableEdit = base._block_hashes.edit()
         self.cpu_refcounts: TableEdit = base._cpu_refcounts.edit()
         self.free_cpu = base._free_cpu.edit()
+        self.num_filled_slots = base.num_filled_slots
 
-    def allocate_block(self, cpu: bool = False) -> int:
+    def allocate_block(self, cpu: bool = False, filled: int = 0) -> int:
+        """Takes a free block (refcount 1) whose first `filled` slots the taker fills."""
         free = self.free_cpu if cpu else self.free
         if free:
             block_id = free.popleft()
@@ -629,17 +680,24 @@ class _Edit:
             del self.cached[self.block_hashes.pop(block_id)]
         else:
             raise OutOfBlocksError(f"no free {'CPU' if cpu else 'device'} block")
-        (self.cpu_refcounts if cpu else self.refcounts)[block_id] = 1
+        if cpu:
+            self.cpu_refcounts[block_id] = 1
+        else:
+            self.refcounts[block_id] = 1
+            self.num_filled_slots += filled
         return block_id
 
-    def acquire(self, block_id: int, cpu: bool = False) -> None:
-        """One more reference to a used block, or to a cached-free one (a prefix-cache hit)."""
+    def acquire(self, block_id: int, cpu: bool = False, filled: int = 0) -> None:
+        """One more reference to a used block, or to a cached-free one (a prefix-cache hit, whose
+        `filled` slots then count as in use again)."""
         refcounts = self.cpu_refcounts if cpu else self.refcounts
         if (refcount := refcounts.get(block_id, 0)) == 0 and not cpu:
             self.evictable.remove(block_id)
+            self.num_filled_slots += filled
         refcounts[block_id] = refcount + 1
 
-    def release(self, block_id: int, cpu: bool = False) -> None:
+    def release(self, block_id: int, cpu: bool = False, filled: int = 0) -> None:
+        """One reference less; at 0 the block is free (its `filled` slots no longer in use)."""
         refcounts = self.cpu_refcounts if cpu else self.refcounts
         if (refcount := refcounts[block_id] - 1) > 0:
             refcounts[block_id] = refcount
@@ -647,7 +705,9 @@ class _Edit:
         del refcounts[block_id]
         if cpu:
             self.free_cpu.append(block_id)
-        elif block_id in self.block_hashes:
+            return
+        self.num_filled_slots -= filled
+        if block_id in self.block_hashes:
             self.evictable.append(block_id)
         else:
             self.free.append(block_id)
@@ -660,8 +720,12 @@ class _Edit:
         return hash(block_hash)
 
     def snapshot(self) -> BlockManager:
-        return dataclasses.replace(
-            self.base, _seqs=self.seqs.freeze(), _refcounts=self.refcounts.freeze(), _free=self.free.freeze(),
+        """The new snapshot: the base's fields with the edited ones replaced (`dataclasses.replace`'s result,
+        without its field-by-field __init__: a snapshot is made every step)."""
+        snapshot = object.__new__(type(self.base))
+        snapshot.__dict__.update(
+            self.base.__dict__, _seqs=self.seqs.freeze(), _refcounts=self.refcounts.freeze(), _free=self.free.freeze(),
             _evictable=self.evictable.freeze(), _cached=self.cached.freeze(),
             _block_hashes=self.block_hashes.freeze(), _cpu_refcounts=self.cpu_refcounts.freeze(),
-            _free_cpu=self.free_cpu.freeze())
+            _free_cpu=self.free_cpu.freeze(), num_filled_slots=self.num_filled_slots)
+        return snapshot

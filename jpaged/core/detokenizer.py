@@ -7,6 +7,7 @@ streamers do, and holds back text while its last bytes form an incomplete UTF-8 
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence as Seq
 
 from jpaged.core.sequence import Sequence
@@ -20,7 +21,7 @@ def decoder(tokenizer) -> Decode:
     without ~6 us of Python a call); any other tokenizer through its `decode`."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if getattr(tokenizer, "is_fast", False) and backend is not None and not tokenizer.clean_up_tokenization_spaces:
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+        return functools.partial(backend.decode, skip_special_tokens=True)  # (no Python frame a call)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 

@@ -26,6 +26,13 @@ reads. Their table entries become null (NULL_BLOCK_ID on the device; a placehold
 block while swapped out), so a table keeps its length ceil(n / block_size) and every position its
 logical index. A manager that does so has `num_null_blocks(seq_id)`; read it with the module's
 `num_null_blocks(manager, seq_id)` (0 for managers without it).
+
+Optional members, read through this module's functions (a manager without them still works, the
+slower way): `num_filled_slots` (token slots holding K/V in the device blocks in use, kept as blocks
+are taken and released: `kv_utilization` then costs O(1) a step instead of a walk of every table),
+`append_slots` (a decode step's appends, returning each sequence's new slot and block table:
+`append_slots`) and `max_blocks_per_append` (the most free blocks one sequence's one-token append
+takes: the scheduler's shortcut `appends_fit`).
 """
 
 from __future__ import annotations
@@ -120,7 +127,33 @@ def kv_utilization(manager: KVCacheManager) -> Optional[float]:
     used = manager.num_blocks - getattr(manager, "num_partitions", 1) - manager.num_free_blocks
     if not used:
         return None
-    return sum(filled_slots(manager).values()) / (used * manager.block_size)
+    filled = getattr(manager, "num_filled_slots", None)  # kept by the manager, else a walk of every table
+    return (sum(filled_slots(manager).values()) if filled is None else filled) / (used * manager.block_size)
+
+
+def append_slots(manager: KVCacheManager, appends: Sequence[tuple[SeqId, int]]) -> tuple[
+        KVCacheManager, DeviceOps, list[int], list[tuple[int, ...]]]:
+    """A decode step's appends (`manager.append(appends)`), with, for each (sequence, token) in
+    order, the slot its token's K/V goes to and its block table afterwards: one call for the whole
+    step where the manager has `append_slots`, else `append` and a lookup per sequence."""
+    method = getattr(manager, "append_slots", None)
+    if method is not None:
+        return method(appends)
+    manager, ops = manager.append(appends)
+    slots, tables = [], []
+    for seq_id, _ in appends:
+        n = manager.num_tokens(seq_id)
+        slots.append(manager.slot_mapping(seq_id, n - 1, n)[0])
+        tables.append(manager.block_table(seq_id))
+    return manager, ops, slots, tables
+
+
+def appends_fit(manager: KVCacheManager, num_seqs: int, num_free: int) -> bool:
+    """Whether a one-token append to each of `num_seqs` sequences surely fits in `num_free` free
+    blocks, without counting per sequence: True only for a manager that bounds an append's blocks
+    per sequence (`max_blocks_per_append`: paging takes a new block or a copy, never both)."""
+    bound = getattr(manager, "max_blocks_per_append", None)
+    return bound is not None and num_seqs * bound <= num_free
 
 
 def cache_computed(manager: KVCacheManager, seq_id: SeqId, num_computed: int) -> KVCacheManager:

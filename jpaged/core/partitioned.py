@@ -84,6 +84,13 @@ class PartitionedBlockManager:
     def num_free_blocks_in(self, rank: int) -> int:
         return self.partitions[rank].num_free_blocks
 
+    @property
+    def num_filled_slots(self) -> int:
+        """Token slots holding K/V in the device blocks in use, over every partition."""
+        return sum(p.num_filled_slots for p in self.partitions)
+
+    max_blocks_per_append = BlockManager.max_blocks_per_append  # per sequence, in its own partition
+
     # ---- sequences ---------------------------------------------------------------------------
     @property
     def _rank_map(self) -> dict:

@@ -87,6 +87,11 @@ class TableEdit:
     def __getitem__(self, key):
         return self.shards[self.table.shard_index(key)][key]
 
+    def writable_shard(self, key) -> dict:
+        """The shard dict that holds `key`, copied for writing (once per operation): a batch of reads
+        and writes of its keys may go to it directly, one shard lookup a key instead of two."""
+        return self._writable(key)
+
     def _writable(self, key) -> dict:
         i = self.table.shard_index(key)
         if self.copied is None:

@@ -53,13 +53,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import math
+import operator
 import time
-from typing import Optional, Sequence as Seq
+from typing import NamedTuple, Optional, Sequence as Seq
 
-from jpaged.core.block_manager import BlockManager
-from jpaged.core.kv_cache_manager import DeviceOps, KVCacheManager, SwappingKVCacheManager, cache_computed
+from jpaged.core.kv_cache_manager import (DeviceOps, KVCacheManager, SwappingKVCacheManager, append_slots,
+                                          appends_fit, cache_computed)
 from jpaged.core.proposer import DraftRequest, Proposer
 from jpaged.core.sequence import GroupStatus, Sequence, SequenceGroup
 
@@ -108,14 +110,20 @@ class SchedulerConfig:
                              f"{self.long_prefill_token_threshold!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Row:
-    """One sequence's part of a step: compute `token_ids` at positions `start_position`.. into `slots`."""
+class Row(NamedTuple):
+    """One sequence's part of a step: compute `token_ids` at positions `start_position`.. into `slots`
+    (a tuple: a decode step builds one a sequence)."""
 
     token_ids: Seq[int]
     start_position: int
     slots: Seq[int]
     block_table: Seq[int]
+
+
+_ARRIVAL_TIME = operator.attrgetter("arrival_time")
+
+# a `Row` without its Python-level __new__ (a decode step builds one a sequence)
+_row = functools.partial(tuple.__new__, Row)
 
 
 @dataclasses.dataclass
@@ -138,7 +146,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.rows)
+        return len(self.rows) if self.is_decode else sum(len(r.token_ids) for r in self.rows)
 
 
 class Scheduler:
@@ -279,13 +287,13 @@ class Scheduler:
         return self._appends_fit([self._free_in(0)]) or self._demand(self.running) <= self._free_in(0)
 
     def _appends_fit(self, free: list[int]) -> bool:
-        """A decode step's shortcut, without a block count per group: the paging `BlockManager` (whose
-        append takes at most one block a sequence: a new one or a copy) of one partition, with `free`
+        """A decode step's shortcut, without a block count per group: one partition whose KV cache
+        manager bounds an append's blocks per sequence (`kv_cache_manager.appends_fit`), with `free`
         blocks for an append to every live running sequence, nothing swapped and no drafts (the readers
         of what is left free afterwards)."""
-        return (isinstance(self.block_manager, BlockManager) and self.num_partitions == 1 and not self.swapped
+        return (self.num_partitions == 1 and not self.swapped
                 and not (self.config.num_speculative_tokens and self.proposer)
-                and self._num_live_running() <= free[0])
+                and appends_fit(self.block_manager, self._num_live_running(), free[0]))
 
     def _num_live_running(self) -> int:
         return sum(len(g.live_seqs) for g in self.running)
@@ -408,7 +416,7 @@ class Scheduler:
             head = False
         if out.preempted or self.swapped:
             return out  # swapped groups come back before any admission; no admission right after preempting
-        num_seqs = self._num_live_running()
+        num_seqs = self._num_live_running() if self.waiting else 0
         while self.waiting and (budget > 0 or head):
             group = self.waiting[0]
             seqs, to_prefill = group.live_seqs, self._to_prefill(group)
@@ -470,7 +478,7 @@ class Scheduler:
         decoding groups' (a group whose prompt is being prefilled is scheduled, with no row: the
         ragged step adds its chunk)."""
         ops, preempted, finished = DeviceOps(), [], []
-        running = sorted(self.running, key=lambda g: g.arrival_time)
+        running = sorted(self.running, key=_ARRIVAL_TIME)
         scheduled: list[SequenceGroup] = []
         free = [self._free_in(r) for r in range(self.num_partitions)]
         if self._appends_fit(free):  # no group is preempted: the loop below would schedule them all, in order
@@ -506,6 +514,20 @@ class Scheduler:
             ops += swap_ops
         decoding = [g for g in scheduled if not g.num_computed_tokens]
         lookahead = self._grant_lookahead(decoding, free)
+        if not lookahead:  # every row one token: the block manager's batched append gives their slots and tables
+            seqs = [s for g in decoding for s in g.live_seqs]
+            rows = []
+            if seqs:
+                appends, positions = [], []
+                for seq in seqs:  # (its last token, at its last position: `last_token_id`, `num_tokens` - 1)
+                    output = seq.output_token_ids
+                    appends.append((seq.seq_id, output[-1] if output else seq.prompt_token_ids[-1]))
+                    positions.append(len(seq.prompt_token_ids) + len(output) - 1)
+                self.block_manager, append_ops, slots, tables = append_slots(self.block_manager, appends)
+                ops += append_ops
+                rows = [_row(([token], position, [slot], table))
+                        for (_, token), position, slot, table in zip(appends, positions, slots, tables)]
+            return SchedulerOutput(True, rows, [[s] for s in seqs], scheduled, ops, preempted, finished, {})
         appends = [(s.seq_id, s.last_token_id) for g in decoding for s in g.live_seqs]
         if appends:
             self.block_manager, append_ops = self.block_manager.append(
@@ -593,6 +615,8 @@ class Scheduler:
         """Brings swapped groups back (FCFS) while their blocks plus one more token each fit in their
         partition's `free[rank]`."""
         resumed, ops = [], DeviceOps()
+        if not self.swapped:
+            return resumed, ops
         num_seqs = self._num_live_running()
         for group in sorted(self.swapped, key=lambda g: g.arrival_time):
             ids = [s.seq_id for s in group.live_seqs]

@@ -114,4 +114,7 @@ class SequenceGroup:
 
     @property
     def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if s.finish_reason is None]  # (`not s.finished`, without a call a sequence)
+        seqs = self.seqs
+        if len(seqs) == 1:  # (most groups: one sample)
+            return [] if seqs[0].finish_reason is not None else [seqs[0]]
+        return [s for s in seqs if s.finish_reason is None]  # (`not s.finished`, without a call a sequence)

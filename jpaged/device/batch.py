@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from operator import attrgetter
 from typing import Callable, Sequence as Seq
 
 import jax
@@ -166,11 +167,42 @@ def _tiles(rows: Seq, q_tile: int, k_tile: int, blocks_per_tile: int) -> tuple[l
     return q_tiles, k_tiles, pairs
 
 
+_TOKEN_IDS, _START_POSITION, _SLOTS, _BLOCK_TABLE = map(attrgetter, ("token_ids", "start_position", "slots",
+                                                                   "block_table"))
+
+
+class BlockTableCache:
+    """The rows' block tables as int32 arrays, kept from one step to the next: a sequence's table is the
+    block manager's tuple, the same object every step until a block is added to it, so each is converted
+    once instead of entry by entry every step (a decode step at long contexts packs hundreds of entries a
+    row). Keyed by the tuple itself (its identity, the tuple held so that the identity stays its own);
+    what the last step did not pack is dropped. Tables of other types (lists: mutable) are converted
+    every time. One cache per stepping thread (a runner's)."""
+
+    def __init__(self):
+        self._arrays: dict[int, tuple[tuple, np.ndarray]] = {}
+
+    def concatenated(self, tables: Seq[Seq[int]]) -> np.ndarray:
+        """Every table's entries, end to end (int32)."""
+        kept, arrays = {}, []
+        for table in tables:
+            if type(table) is tuple:
+                entry = self._arrays.get(id(table))
+                if entry is None or entry[0] is not table:
+                    entry = (table, np.array(table, np.int32))
+                kept[id(table)] = entry
+                arrays.append(entry[1])
+            else:
+                arrays.append(np.asarray(table, np.int32))
+        self._arrays = kept
+        return np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+
+
 def _fill(rows: Seq, dims: StepDims, *, q_tile: int, blocks_per_tile: int, tiles=None,
-          tables: bool = True) -> ModelInputs:
+          tables: bool = True, table_cache: BlockTableCache | None = None) -> ModelInputs:
     """`rows` packed into arrays of `dims` (each at least what the rows need); `tiles` (`_tiles`), or
     None for a one-entry plan that nothing reads; `tables`: False for block tables that nothing reads
-    (zeros)."""
+    (zeros); `table_cache`: the block tables' arrays kept from the step before, if any."""
     num_tokens, num_rows, width = dims.num_tokens, dims.num_rows, dims.width
     token_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
@@ -179,21 +211,29 @@ def _fill(rows: Seq, dims: StepDims, *, q_tile: int, blocks_per_tile: int, tiles
     context_lens = np.zeros(num_rows, np.int32)
     block_tables = np.zeros((num_rows, width), np.int32)
     # every row at once: one pass over the rows' lists each, then numpy over the packed tokens
+    # (the rows' fields read by `map(attrgetter(...))`: iterated in C, no Python frame a row)
     num_real = len(rows)
-    lens = np.fromiter((len(r.token_ids) for r in rows), np.int32, num_real)
-    starts = np.fromiter((r.start_position for r in rows), np.int32, num_real)
+    row_tokens = list(map(_TOKEN_IDS, rows))
+    lens = np.fromiter(map(len, row_tokens), np.int32, num_real)
+    starts = np.fromiter(map(_START_POSITION, rows), np.int32, num_real)
     ends = np.cumsum(lens, dtype=np.int32)
     total = int(ends[-1]) if num_real else 0
-    token_ids[:total] = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in rows), np.int32, total)
-    slots[:total] = np.fromiter(itertools.chain.from_iterable(r.slots for r in rows), np.int32, total)
+    token_ids[:total] = np.fromiter(itertools.chain.from_iterable(row_tokens), np.int32, total)
+    slots[:total] = np.fromiter(itertools.chain.from_iterable(map(_SLOTS, rows)), np.int32, total)
     # a token's position: its row's start plus its index in the row (its packed index less the row's offset)
     positions[:total] = np.repeat(starts - (ends - lens), lens) + np.arange(total, dtype=np.int32)
     logits_index[:num_real] = ends - 1
     context_lens[:num_real] = starts + lens
     if tables:
-        table_lens = np.fromiter((len(r.block_table) for r in rows), np.int32, num_real)
-        block_tables[:num_real][np.arange(width) < table_lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(r.block_table for r in rows), np.int32, int(table_lens.sum()))
+        row_tables = list(map(_BLOCK_TABLE, rows))
+        table_lens = np.fromiter(map(len, row_tables), np.int64, num_real)
+        num_entries = int(table_lens.sum())
+        # entry j of row i goes to flat index i * width + j: O(entries), not O(rows * width)
+        first = np.cumsum(table_lens) - table_lens
+        flat = np.repeat(np.arange(num_real, dtype=np.int64) * width - first, table_lens) + np.arange(num_entries)
+        block_tables.reshape(-1)[flat] = (
+            np.fromiter(itertools.chain.from_iterable(row_tables), np.int32, num_entries) if table_cache is None
+            else table_cache.concatenated(row_tables))
     num_q, num_k, num_pairs = dims.num_q, dims.num_k, dims.num_pairs
     q_index = np.zeros((num_q, q_tile), np.int32)
     q_positions = np.full((num_q, q_tile), -1, np.int32)
@@ -330,14 +370,16 @@ class StepShapes:
         max_q, max_k, _ = self._prefill_bounds(num_tokens, num_rows)
         return StepDims(num_tokens, num_rows, width, min(num_pairs, max_q), min(num_pairs, max_k), num_pairs)
 
-    def pack(self, rows: Seq, *, decode: bool) -> ModelInputs:
-        """Packs a step's rows (as `pack_rows` does) at this engine's buckets."""
+    def pack(self, rows: Seq, *, decode: bool, table_cache: BlockTableCache | None = None) -> ModelInputs:
+        """Packs a step's rows (as `pack_rows` does) at this engine's buckets (`table_cache`: the stepping
+        thread's `BlockTableCache`, if any)."""
         if decode and any(len(r.token_ids) != 1 for r in rows):
             raise ValueError("a decode row computes exactly one token")
         q_tile, k_tile = (1 if decode else self.q_tile), (self.decode_k_tile if decode else self.prefill_k_tile)
         tiles = _tiles(rows, q_tile, k_tile, k_tile // self.block_size) if self.reads_plan[decode] else None
         return _fill(rows, self.dims(rows, decode=decode, tiles=tiles), q_tile=q_tile,
-                     blocks_per_tile=k_tile // self.block_size, tiles=tiles, tables=self.reads_tables[decode])
+                     blocks_per_tile=k_tile // self.block_size, tiles=tiles, tables=self.reads_tables[decode],
+                     table_cache=table_cache)
 
     # ---- every shape -------------------------------------------------------------------------------
 

@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.device.batch import (DataParallelInputs, ModelInputs, StepShapes, bucket, bucket_values, pack_rows,
-                                 row_bucket, stack_inputs)
+from jpaged.device.batch import (BlockTableCache, DataParallelInputs, ModelInputs, StepShapes, bucket, bucket_values,
+                                 pack_rows, row_bucket, stack_inputs)
 from jpaged.device.config import ModelConfig
 from jpaged.device.kv_cache import KVCache, back_with_huge_pages, pool_shape
 from jpaged.device.model import compute_logits, forward
@@ -75,7 +75,8 @@ class SampleRow(NamedTuple):
 class DeviceCall:
     """One timed run of a compiled executable.
 
-    name: "prefill_step", "decode_step", "sample", "copy_blocks", "read_blocks" or "write_blocks".
+    name: "prefill_step", "decode_step", "sample", "copy_blocks", "read_blocks", "write_blocks" or
+      "feed_tokens" (async scheduling: a step's inputs fed the samples of the step before).
     shape: the shapes and dtypes of its array arguments (with its static options), which key its
       executable: calls of the same name and shape run the same executable.
     seconds / cpu_seconds: wall and process CPU time of the run, synchronised (block_until_ready).
@@ -172,6 +173,11 @@ class _LocalRow:
 
 
 _IDLE_ROW = _LocalRow([0], 0, [0], [0])  # a rank with no row this step computes one token into its null block
+
+
+def _feed_tokens(token_ids, source, sampled):
+    """Packed input tokens with token i replaced by `sampled[source[i]]` where source[i] >= 0."""
+    return jnp.where(source >= 0, sampled[jnp.maximum(source, 0)], token_ids)
 
 
 def _copy_blocks(cache, pairs, *, backend):
@@ -279,10 +285,16 @@ class ModelRunner:
         if sharding is not None and self.num_partitions == 1:
             self._jits["draft_step"] = self._draft_jit
         self._jits["sample"] = sample
+        if sharding is None:
+            self._jits["feed_tokens"] = jax.jit(_feed_tokens)
+        else:  # the sampled tokens come replicated; so do the packed inputs
+            rep = sharding.replicated(mesh)
+            self._jits["feed_tokens"] = jax.jit(_feed_tokens, in_shardings=(rep, rep, rep), out_shardings=rep)
         self._executables: dict = {}
         self.num_warm_up_compilations = 0  # executables `warm_up` built
         self.num_compilations_after_warm_up = 0  # executables built by runs since the last warm-up (or ever)
         self._calls: list[DeviceCall] = []
+        self._table_cache = BlockTableCache()  # the block tables of the last step packed (`make_inputs`)
         self.compile_seconds = 0.0  # building executables, their untimed first runs included
         self.device_seconds = 0.0  # time inside compiled executables, synchronised (the rest of a step is host time)
         # whether `_run` waits for each run's results (and times it); False (async scheduling): a run is
@@ -405,7 +417,7 @@ class ModelRunner:
                 raise ValueError("step shapes are for one data-parallel partition: pack these rows without")
             return self._data_parallel_inputs(rows, decode=decode)
         if shapes is not None:
-            return shapes.pack(rows, decode=decode)
+            return shapes.pack(rows, decode=decode, table_cache=self._table_cache)
         return self._pack(rows, decode=decode)
 
     def step_shapes(self, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int, max_width: int,
@@ -461,6 +473,12 @@ class ModelRunner:
             self.cache, logits = self._run(name, self.params, self.cache, inputs)
         return logits
 
+    def feed_tokens(self, inputs: ModelInputs, source: np.ndarray, sampled: jax.Array) -> ModelInputs:
+        """Running ahead (async scheduling): `inputs` with packed token i replaced by `sampled[source[i]]`
+        where source[i] >= 0 (i32[N]; -1: keep it), so that a row's input is its sequence's sample in the
+        step before, taken on the device (`sampled`: a `dispatch_sample` run's `token_ids`, of N rows)."""
+        return inputs.replace(token_ids=self._run("feed_tokens", inputs.token_ids, source, sampled))
+
     def sample(self, logits: jax.Array, rows: Seq[SampleRow], num_top: int, *,
                shapes: Optional[StepShapes] = None) -> dict[str, np.ndarray]:
         """Draws one token per sample row. Returns numpy arrays token_ids, logprobs, top_ids, top_logprobs.
@@ -491,12 +509,13 @@ class ModelRunner:
         dtypes = {"temperature": np.float32, "top_p": np.float32, "seed": np.uint32}
         padding = {"top_p": 1.0, "draft": -1}
         columns = {}
-        fields = SampleRow._fields[:-1]  # "allowed" (last) apart
-        for name, values in zip(fields, zip(*rows) if rows else [()] * len(fields)):
+        fields = SampleRow._fields
+        transposed = list(zip(*rows)) if rows else [()] * len(fields)
+        for name, values in zip(fields[:-1], transposed):  # "allowed" (last) apart
             columns[name] = np.full(size, padding.get(name, 0), dtypes.get(name, np.int32))
             columns[name][:len(values)] = values
         allowed = None
-        masks = [(i, r.allowed) for i, r in enumerate(rows) if r.allowed is not None]
+        masks = [(i, mask) for i, mask in enumerate(transposed[-1]) if mask is not None]
         if masks:  # every other row allows everything
             allowed = np.full((size, masks[0][1].shape[-1]), -1, np.int32)
             for i, mask in masks:
@@ -504,8 +523,10 @@ class ModelRunner:
         params = SamplingInputs(temperature=columns["temperature"], top_k=columns["top_k"], top_p=columns["top_p"],
                                 seed=columns["seed"], sample_index=columns["sample_index"],
                                 step=columns["step"], draft=columns["draft"], allowed=allowed)
-        use_filter = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0) for r in rows)
-        use_random = any(r.temperature > 0 for r in rows)
+        n = len(rows)  # the settings as the rows give them (the padding draws nothing)
+        random = columns["temperature"][:n] > 0
+        use_random = bool(random.any())
+        use_filter = use_random and bool((random & ((columns["top_k"][:n] > 0) | (columns["top_p"][:n] < 1.0))).any())
         return self._run("sample", logits, columns["row"], params, num_top=num_top, use_filter=use_filter,
                          use_random=use_random), len(rows)
 
@@ -565,11 +586,13 @@ class ModelRunner:
         return np.asarray(tokens)[:len(rows)]
 
     def warm_up(self, shapes: StepShapes, *, progress: Optional[Callable[[int, int], None]] = None,
-                workers: Optional[int] = None, draft_layers: Optional[int] = None) -> WarmUp:
+                workers: Optional[int] = None, draft_layers: Optional[int] = None,
+                feed_tokens: bool = False) -> WarmUp:
         """Builds, before any step and without running anything, every executable that steps packed at
         `shapes` can run: the model steps of `shapes.all_dims` (prefill and decode), the sampler for every
         logits row count, top log-probability bucket and variant (greedy, random, filtered), the
-        copy-on-write copies (up to one per sequence) and, with a CPU pool, the swaps (up to its size).
+        copy-on-write copies (up to one per sequence), with a CPU pool the swaps (up to its size) and, with
+        `feed_tokens` (async scheduling), `feed_tokens` for every decode step's row count.
         Compiled from abstract shapes (`jit(...).lower(...).compile()`), so the pool is not touched.
         Lowering runs in this thread, compiling in `workers` threads (default: the CPU count, at most
         4); `progress(done, total)` is called after each. Executables built already are kept.
@@ -578,7 +601,7 @@ class ModelRunner:
             raise ValueError("warm_up covers one data-parallel partition: a data-parallel runner packs its "
                              "ranks' rows without step shapes")
         start = time.perf_counter()
-        jobs = self._warm_up_jobs(shapes, draft_layers)
+        jobs = self._warm_up_jobs(shapes, draft_layers, feed_tokens)
         counts: dict[str, int] = {}
         todo = {}
         for name, args, static in jobs:
@@ -609,9 +632,10 @@ class ModelRunner:
         self.num_compilations_after_warm_up = 0
         return WarmUp(executables=counts, built=len(todo), cache_hits=len(hits), seconds=time.perf_counter() - start)
 
-    def _warm_up_jobs(self, shapes: StepShapes, draft_layers: Optional[int] = None) -> list[tuple[str, tuple, dict]]:
+    def _warm_up_jobs(self, shapes: StepShapes, draft_layers: Optional[int] = None,
+                      feed_tokens: bool = False) -> list[tuple[str, tuple, dict]]:
         """(name, arguments, static options) of every executable `warm_up` builds (self-drafting's steps
-        of `draft_layers` layers too, when given); arrays the steps pass from the host are
+        of `draft_layers` layers too, when given; `feed_tokens` for every decode row count, when asked); arrays the steps pass from the host are
         `jax.ShapeDtypeStruct`s of the shapes they would have."""
         def sds(shape, dtype, sharding=None):
             return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)
@@ -637,6 +661,10 @@ class ModelRunner:
                         jobs.append(("sample", (sds([rows, vocab], np.float32, logits_sharding),
                                                 sds([rows], np.int32), params),
                                      dict(num_top=top, use_filter=use_filter, use_random=use_random)))
+        if feed_tokens:  # a decode step run ahead: its rows and the samples of the step before are as many
+            rep = self.sharding.replicated(self.mesh) if self.sharding is not None else None
+            for rows in bucket_values(1, shapes.max_num_seqs, row_bucket):
+                jobs.append(("feed_tokens", tuple(sds([rows], np.int32, rep) for _ in range(3)), {}))
         for n in bucket_values(1, shapes.max_num_seqs, bucket):  # copy-on-write: one per appended sequence
             jobs.append(("copy_blocks", (self.cache, sds([n, 2], np.int32)), {}))
         if self.num_cpu_blocks:

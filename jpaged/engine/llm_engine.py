@@ -10,6 +10,13 @@ snapshot; the runner (`jpaged.device.runner`) applies the block operations, runs
 step and samples; the engine turns samples into tokens and text, decides stops (telling the
 scheduler, which finishes sequences) and applies beam-search decisions (`jpaged.core.beam_search`).
 Observers (`add_observer`) get a `StepRecord` of every step.
+
+The host loop's costs (issue 31; `bench/scheduler_overhead.py --stub-device` measures them alone): a
+decode step's blocks come from one batched call (`kv_cache_manager.append_slots`), KV utilization from a
+counter the block manager keeps, outputs are built when read (`RequestOutput.deferred`), and the heap
+alive once the engine is built (model, libraries) is frozen out of the cyclic garbage collector
+(`gc.freeze()`, as vLLM's engine core does at start-up): a full collection then walks only what was
+allocated since, not the whole process, which at 256 sequences had cost more than the rest of a step.
 """
 
 from __future__ import annotations
@@ -17,15 +24,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import gc
 import itertools
 import logging
+import operator
 import pathlib
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence as Seq
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jpaged.core import beam_search
@@ -37,7 +45,7 @@ from jpaged.core.kv_cache_manager import (ForkingKVCacheManager, KVCacheManager,
 from jpaged.core.sampling_params import SamplingParams
 from jpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jpaged.core.structured_output import GrammarCompiler, fill_bitmask
-from jpaged.core.sequence import Sequence, SequenceGroup
+from jpaged.core.sequence import GroupStatus, Sequence, SequenceGroup
 from jpaged.device.attention import get_backend
 from jpaged.device.kv_cache import bytes_per_block, check_pool_fits, num_blocks_for_memory, parse_memory_size
 from jpaged.device.params import LlamaParams, cast_params, check_params, num_params, to_storage
@@ -56,13 +64,6 @@ logger = logging.getLogger("jpaged")
 # async scheduling: the token a sequence holds for its sample still in flight (never read: its row's input
 # comes from the device, and the sample replaces it before anything looks at the tokens)
 _PLACEHOLDER = -1
-
-
-@jax.jit
-def _feed_tokens(token_ids, source, sampled):
-    """Packed input tokens with token i replaced by `sampled[source[i]]` where source[i] >= 0 (running
-    ahead: a row's input is its sequence's sample in the step before, still on the device)."""
-    return jnp.where(source >= 0, sampled[jnp.maximum(source, 0)], token_ids)
 
 
 @dataclasses.dataclass
@@ -238,6 +239,7 @@ class LLMEngine:
         self.timings = collections.Counter(step_s=0.0, schedule_s=0.0, device_s=0.0, host_s=0.0)
         self._utilization_sum = 0.0
         self._utilization_steps = 0
+        freeze_heap()
 
     @property
     def num_blocks(self) -> int:
@@ -279,7 +281,8 @@ class LLMEngine:
         if self.shapes is None:
             raise ValueError("warm_up covers engines of one data-parallel partition (data_parallel_size=1)")
         self.warm_up_summary = self.runner.warm_up(self.shapes, progress=progress, workers=workers,
-                                                   draft_layers=self.draft_layers)
+                                                   draft_layers=self.draft_layers,
+                                                   feed_tokens=self.config.async_scheduling)
         return self.warm_up_summary
 
     # ---- observers ---------------------------------------------------------------------------
@@ -427,6 +430,8 @@ class LLMEngine:
         scheduled after it, as a synchronous engine does."""
         start, cpu_start = time.perf_counter(), time.process_time()
         previous, self._in_flight = self._in_flight, None
+        if previous is None:  # executables run while nothing was in flight (a user's own calls) are no step's
+            self.runner.take_calls()
         with self._lock:
             queued = bool(self._new or self._aborts)  # (what is queued later waits for the next call)
         run_ahead = previous is not None and not queued and self._can_run_ahead(previous)
@@ -483,8 +488,8 @@ class LLMEngine:
                     shape, num_padded, num_sampled = self._apply(flight.launched, placeholders=placeholders)
                 except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
                     progressed.update((g.request_id, g) for g in self._fail(out, e))
-            progressed.update((g.request_id, g) for g in out.groups)
-        finished = [g for g in progressed.values() if g.is_finished]
+            progressed.update(zip(map(_REQUEST_ID, out.groups), out.groups))
+        finished = [g for g in progressed.values() if g.status is GroupStatus.FINISHED]
         if self._matchers:
             for group in finished:
                 for seq in group.seqs:
@@ -536,27 +541,30 @@ class LLMEngine:
             source = np.full(inputs.token_ids.shape[0], -1, np.int32)
             source[:len(out.rows)] = [sample_of[seqs[0].seq_id] for seqs in out.row_seqs]
             (sampled, _), = previous.parts
-            inputs = inputs.replace(token_ids=_feed_tokens(inputs.token_ids, source, sampled.token_ids))
+            inputs = self.runner.feed_tokens(inputs, source, sampled.token_ids)
         logits = self.runner.run_step(inputs, decode=out.is_decode)
         group_of = {s.seq_id: g for g in out.groups for s in g.seqs}
         sample_rows, targets = [], []
         verify = {}  # speculative decoding: seq_id -> its drafts (sampled in the rows after its own)
         # request_id -> (sequence, the index of its first sample: its drafts' follow)
         by_group: dict[str, list[tuple[Sequence, int]]] = collections.defaultdict(list)
+        drafts_of = out.drafts
         for row, seqs in enumerate(out.row_seqs):
             for seq in seqs:
                 group = group_of[seq.seq_id]
                 p = group.params
-                temperature = 0.0 if p.use_beam_search else p.temperature
-                drafts = out.drafts[seq.seq_id][1] if seq.seq_id in out.drafts else ()
+                temperature = 0.0 if p.beam_width > 1 else p.temperature  # (beam search: greedy candidates)
                 step = len(seq.output_token_ids)
                 by_group[group.request_id].append((seq, len(sample_rows)))
+                targets.append(seq)
+                if not (drafts_of and seq.seq_id in drafts_of):
+                    sample_rows.append(_sample_row((row, temperature, p.top_k, p.top_p, group.seed, seq.sample_index,
+                                                    step, -1, None)))
+                    continue
+                drafts = verify[seq.seq_id] = drafts_of[seq.seq_id][1]
                 for j in range(len(drafts) + 1):  # row + j's logits verify draft j (the last: a bonus token)
                     sample_rows.append(SampleRow(row + j, temperature, p.top_k, p.top_p, group.seed,
                                                  seq.sample_index, step + j, drafts[j] if j < len(drafts) else -1))
-                if drafts:
-                    verify[seq.seq_id] = drafts
-                targets.append(seq)
         parts = None
         if sample_rows:  # (none: every row a chunk of a prompt that goes on in a later step)
             sample_rows = self._constrain(sample_rows, targets, verify, group_of)
@@ -578,14 +586,22 @@ class LLMEngine:
                 seq.output_token_ids.pop()
         now = time.monotonic()
         verify, num_sampled = launched.verify, 0  # tokens appended: one per sequence, one more per accepted draft
+        by_group = launched.by_group
         for group in launched.out.groups:
-            entries = [(seq, i) for seq, i in launched.by_group.get(group.request_id, ()) if not seq.finished]
-            if not entries or group.is_finished:
+            entries = by_group.get(group.request_id)
+            if not entries or group.status is GroupStatus.FINISHED:
                 continue  # its prompt is being prefilled, or it finished a step earlier
+            if len(entries) > 1 or entries[0][0].finish_reason is not None:
+                entries = [(seq, i) for seq, i in entries if seq.finish_reason is None]
+                if not entries:
+                    continue
             num_sampled += len(entries)
             if group.first_token_time is None:
                 group.first_token_time = now
-            if group.params.use_beam_search:
+            if not (verify or group.params.beam_width > 1):  # one token a sequence (the common case)
+                for seq, i in entries:
+                    self._append_sample(group, seq, samples, i)
+            elif group.params.use_beam_search:
                 self._beam_step(group, [(seq, samples["top_ids"][i], samples["top_logprobs"][i])
                                         for seq, i in entries])
             else:
@@ -640,8 +656,8 @@ class LLMEngine:
             top = dict(zip(samples["top_ids"][i][:k].tolist(), samples["top_logprobs"][i][:k].tolist()))
             top.setdefault(token, logprob)
         seq.append_token(token, logprob, top)
-        reason = self._stop_reason(group, seq)
-        matcher = self._matchers.get(seq.seq_id)
+        reason = self._stop_reason(group, seq, token)
+        matcher = self._matchers.get(seq.seq_id) if self._matchers else None
         if matcher is not None and reason is None:
             if not matcher.consume_token(token):
                 logger.warning("request %s: token %d does not follow its constraint (%s): stopping it",
@@ -696,19 +712,20 @@ class LLMEngine:
             seq.append_token(candidate.token_id, candidate.logprob)
         group.beam_state = decision.state
 
-    def _stop_reason(self, group: SequenceGroup, seq: Sequence) -> Optional[str]:
-        """Detokenizes the newest token; returns why `seq` stops ("stop": EOS, a stop token or
-        string, whose text is cut; "length": max_tokens or the context), or None."""
+    def _stop_reason(self, group: SequenceGroup, seq: Sequence, token: int) -> Optional[str]:
+        """Detokenizes the newest token (`token`); returns why `seq` stops ("stop": EOS, a stop token
+        or string, whose text is cut; "length": max_tokens or the context), or None."""
         p = group.params
-        token = seq.last_token_id
         new_text = append_text(self._decode, seq)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        cut = find_stop(seq.text, p.stop, len(new_text))
-        if cut is not None:
-            seq.text = seq.text[:cut]
-            return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if p.stop:
+            cut = find_stop(seq.text, p.stop, len(new_text))
+            if cut is not None:
+                seq.text = seq.text[:cut]
+                return "stop"
+        num_output = len(seq.output_token_ids)
+        if num_output >= p.max_tokens or len(seq.prompt_token_ids) + num_output >= self.max_model_len:
             return "length"
         return None
 
@@ -794,10 +811,28 @@ class LLMEngine:
                 for i, seq in enumerate(seqs)]
 
     def _request_output(self, group: SequenceGroup) -> RequestOutput:
-        metrics = RequestMetrics(group.arrival_time, group.first_scheduled_time, group.first_token_time,
-                                 group.finished_time, group.num_preemptions, group.num_cached_tokens)
-        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids), self._completions(group),
-                             group.is_finished, metrics, group.error)
+        """The group's cumulative output now. Deferred (`RequestOutput.deferred`) but for beam search: a
+        snapshot of each sequence (its append-only token and log-probability lists with their lengths, its
+        text, numbers) and of the metrics, built into lists and objects only if read."""
+        if group.params.use_beam_search:  # (beams fork and finish hypotheses: built now)
+            metrics = RequestMetrics(group.arrival_time, group.first_scheduled_time, group.first_token_time,
+                                     group.finished_time, group.num_preemptions, group.num_cached_tokens)
+            return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
+                                 self._completions(group), group.is_finished, metrics, group.error)
+        p = group.params
+        logprobs = p.logprobs is not None
+        snapshot = (group.prompt_token_ids, p.stop, group.arrival_time, group.first_scheduled_time,
+                    group.first_token_time, group.finished_time, group.num_preemptions, group.num_cached_tokens)
+        if len(group.seqs) == 1 and not logprobs:  # (most requests)
+            s = group.seqs[0]
+            snapshot += ((s.output_token_ids, len(s.output_token_ids), s.text, s.cumulative_logprob, s.finish_reason,
+                          None),)
+        else:
+            snapshot += tuple((s.output_token_ids, len(s.output_token_ids), s.text, s.cumulative_logprob,
+                               s.finish_reason, (s.output_logprobs, len(s.output_logprobs)) if logprobs else None)
+                              for s in sorted(group.seqs, key=lambda s: s.sample_index))
+        return RequestOutput.deferred(group.request_id, group.prompt, group.status is GroupStatus.FINISHED,
+                                      group.error, _built_output, snapshot)
 
     def _record_usage(self) -> None:
         """Peak used blocks, and KV utilization: token slots holding K/V over the slots of the device
@@ -842,6 +877,33 @@ class LLMEngine:
                 "acceptance_rate": c["num_accepted"] / c["num_proposed"] if c["num_proposed"] else None,
                 "acceptance_rate_by_position": [a / p if p else None for a, p in
                                                 zip(c["accepted_by_position"], c["proposed_by_position"])]}
+
+
+_REQUEST_ID = operator.attrgetter("request_id")
+
+# a `SampleRow` without its Python-level __new__ (every field given: a step builds one a sequence)
+_sample_row = functools.partial(tuple.__new__, SampleRow)
+
+
+def freeze_heap() -> None:
+    """Collects garbage, then moves every object alive into the garbage collector's permanent generation
+    (`gc.freeze()`), out of every later collection's walk; vLLM's engine core does the same once started.
+    Objects frozen are still freed when their reference count drops (an engine is: it holds no reference
+    cycle), only a cycle among them is never collected. After the first call a collection walks only what
+    was allocated since, so the next engine built pays little for it."""
+    gc.collect()
+    gc.freeze()
+
+
+def _built_output(prompt_token_ids: tuple, stop: tuple, *snapshot) -> tuple:
+    """A deferred `RequestOutput`'s (prompt_token_ids, outputs, metrics) from `_request_output`'s snapshot
+    (the 6 metrics, then each sequence's state), as `_completions` builds them: text still open to a stop
+    string is held back (never retracted)."""
+    outputs = [CompletionOutput(i, text if reason is not None else text[:stream_safe_length(text, stop)],
+                                token_ids[:n], cumulative_logprob, reason,
+                                None if logprobs is None else logprobs[0][:logprobs[1]])
+               for i, (token_ids, n, text, cumulative_logprob, reason, logprobs) in enumerate(snapshot[6:])]
+    return list(prompt_token_ids), outputs, RequestMetrics(*snapshot[:6])
 
 
 def valid_text(text: str) -> str:

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FORMAT, VERSION = "jpaged-engine", 2  # 2: one KV pool, each block's K and V side by side
+FORMAT, VERSION = "jpaged-engine", 3  # 2: one KV pool, each block's K and V side by side; 3: the block manager counts its filled slots
 MARKER = "jpaged-engine.json"
 KEEP = 2  # saves kept in a directory, newest first
 # what `restore` may change: where the model lives and how attention runs; nothing of the state's shape
