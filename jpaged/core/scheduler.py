@@ -518,11 +518,8 @@ class Scheduler:
             seqs = [s for g in decoding for s in g.live_seqs]
             rows = []
             if seqs:
-                appends, positions = [], []
-                for seq in seqs:  # (its last token, at its last position: `last_token_id`, `num_tokens` - 1)
-                    output = seq.output_token_ids
-                    appends.append((seq.seq_id, output[-1] if output else seq.prompt_token_ids[-1]))
-                    positions.append(len(seq.prompt_token_ids) + len(output) - 1)
+                appends = [(seq.seq_id, seq.last_token_id) for seq in seqs]  # its last token, at its last position
+                positions = [seq.num_tokens - 1 for seq in seqs]
                 self.block_manager, append_ops, slots, tables = append_slots(self.block_manager, appends)
                 ops += append_ops
                 rows = [_row(([token], position, [slot], table))
@@ -530,8 +527,7 @@ class Scheduler:
             return SchedulerOutput(True, rows, [[s] for s in seqs], scheduled, ops, preempted, finished, {})
         appends = [(s.seq_id, s.last_token_id) for g in decoding for s in g.live_seqs]
         if appends:
-            self.block_manager, append_ops = self.block_manager.append(
-                appends, **({"lookahead": lookahead} if lookahead else {}))
+            self.block_manager, append_ops = self.block_manager.append(appends, lookahead=lookahead)
             ops += append_ops
         drafts = self._propose(decoding, lookahead)
         rows, row_seqs, spec = [], [], {}

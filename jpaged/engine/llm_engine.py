@@ -724,8 +724,7 @@ class LLMEngine:
             if cut is not None:
                 seq.text = seq.text[:cut]
                 return "stop"
-        num_output = len(seq.output_token_ids)
-        if num_output >= p.max_tokens or len(seq.prompt_token_ids) + num_output >= self.max_model_len:
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
