@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -137,39 +138,49 @@ def measure(loaded, num_seqs: int, decode_steps: int) -> dict:
     }
 
 
-# the host's parts of a decode step: (part, the object ("engine", "scheduler" or "runner") and method whose
-# time it is)
-PARTS = (("schedule", "scheduler", "schedule"), ("pack", "runner", "make_inputs"),
-         ("sample_inputs", "runner", "dispatch_sample"), ("post_process", "engine", "_apply"),
-         ("outputs", "engine", "_request_output"), ("statistics", "engine", "_record_usage"))
+# the host's parts of a decode step: (part, the function whose frames are its time: `Class.method`)
+PARTS = (("schedule", "Scheduler.schedule"), ("pack", "ModelRunner.make_inputs"),
+         ("sample_inputs", "ModelRunner.dispatch_sample"), ("post_process", "LLMEngine._apply"),
+         ("outputs", "LLMEngine._request_output"), ("statistics", "LLMEngine._record_usage"))
+SAMPLE_INTERVAL_S = 0.0005
 
 
-def timed_parts(engine, steps: int) -> tuple[float, dict]:
-    """One round of `steps` steps with each of `PARTS` wrapped in a clock of the stepping thread's CPU time:
-    (the round's CPU seconds, part -> its seconds). The wrappers cost a little (one per request for
-    "outputs"), so the shares, not the sums, are what to read."""
-    spent = dict.fromkeys([name for name, _, _ in PARTS], 0.0)
-    owners = {"engine": engine, "scheduler": engine.scheduler, "runner": engine.runner}
+def sampled_parts(engine, steps: int) -> dict:
+    """One round of `steps` steps while another thread samples the stepping thread's Python stack every
+    `SAMPLE_INTERVAL_S` (as py-spy does, nothing of the engine wrapped or replaced): part -> the share of
+    the samples inside its function (`PARTS`; a frame's `co_qualname`), and "samples". A profiler's cost
+    per call would inflate the parts made of many small calls; a sample costs the same wherever it lands."""
+    names = {qualname: part for part, qualname in PARTS}
+    counts = dict.fromkeys([part for part, _ in PARTS], 0)
+    total, done = 0, threading.Event()
+    target = threading.get_ident()
 
-    def clocked(name, method):
-        def run(*args, **kwargs):
-            c0 = time.thread_time()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spent[name] += time.thread_time() - c0
-        return run
+    def sample():
+        nonlocal total
+        while not done.wait(SAMPLE_INTERVAL_S):
+            frame = sys._current_frames().get(target)
+            total += 1
+            while frame is not None:
+                part = names.get(frame.f_code.co_qualname)
+                if part is not None:
+                    counts[part] += 1
+                    break
+                frame = frame.f_back
 
-    for name, owner, method in PARTS:
-        setattr(owners[owner], method, clocked(name, getattr(owners[owner], method)))
+    # the sampler waits for the GIL: hand it over at least every interval (else it lands where the stepping
+    # thread releases it, in numpy's calls, every 5 ms by default)
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(SAMPLE_INTERVAL_S / 5)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     try:
-        c0 = time.thread_time()
         for _ in range(steps):
             engine.step()
-        return time.thread_time() - c0, spent
     finally:
-        for _, owner, method in PARTS:
-            delattr(owners[owner], method)  # the class's method again
+        done.set()
+        sampler.join()
+        sys.setswitchinterval(switch_interval)
+    return {"samples": total, **{part: n / max(total, 1) for part, n in counts.items()}}
 
 
 def measure_stub(loaded, num_seqs: int, steps: int, rounds: int = 5) -> dict:
@@ -177,8 +188,8 @@ def measure_stub(loaded, num_seqs: int, steps: int, rounds: int = 5) -> dict:
     of the stepping thread (the CPU time is the steadier on a loaded machine), medians of `rounds`
     rounds of `steps` steps, with the garbage collector's share of it (its collections, timed through
     `gc.callbacks`: the engine freezes the heap alive when it is built, `LLMEngine`'s docstring).
-    Then one round with the parts clocked (`timed_parts`) for their shares (`PARTS`; "other": the rest),
-    scaled to the median CPU time (a profiler's cost per call would inflate the parts of many small calls)."""
+    Then one round with the stepping thread's stack sampled (`sampled_parts`) for the parts' shares
+    (`PARTS`; "other": the rest), scaled to the median CPU time."""
     import gc
     import statistics
 
@@ -205,9 +216,9 @@ def measure_stub(loaded, num_seqs: int, steps: int, rounds: int = 5) -> dict:
             times["gc"].append((collections["seconds"] - gc_before) / steps)
     finally:
         gc.callbacks.remove(on_gc)
-    total, spent = timed_parts(engine, steps)
+    shares = sampled_parts(engine, steps)
     ms = {name: 1e3 * statistics.median(values) for name, values in times.items()}
-    parts = {part: ms["cpu"] * seconds / total for part, seconds in spent.items()}
+    parts = {part: ms["cpu"] * shares[part] for part, _ in PARTS}
     parts["other"] = ms["cpu"] - sum(parts.values())
     return {"num_seqs": num_seqs, "steps": steps, "rounds": rounds, "host_ms": ms["wall"], "host_cpu_ms": ms["cpu"],
             "gc_ms": ms["gc"], "gc_collections_per_step": [n / (rounds * steps) for n in collections["by_generation"]],
