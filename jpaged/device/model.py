@@ -60,6 +60,16 @@ def _matmul(spec: str, x, w):
     return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
+def _output_projection(attn, wo):
+    """attn f32[t, heads, head_dim] @ wo [heads, head_dim, hidden] -> f32[t, hidden], a dense `wo` as
+    [heads * head_dim, hidden] (a view): XLA's CPU dot contracting two axes of a parameter first copies
+    it into another layout, in every step (the float32 decode step's largest cost after its products).
+    An int8 or 16-bit-rows `wo` (`QuantizedWeight`) is stored [hidden, heads * head_dim] already."""
+    if isinstance(wo, QuantizedWeight):
+        return _matmul("tnd,ndh->th", attn, wo)
+    return _matmul("tk,kh->th", attn.reshape(attn.shape[0], -1), wo.reshape(-1, wo.shape[-1]))
+
+
 def rms_norm(x, weight, eps, offset: float = 0.0):
     """RMSNorm over the last axis, in float32, scaled by (offset + weight) (Gemma: offset 1)."""
     x32 = x.astype(jnp.float32)
@@ -127,7 +137,9 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
     def layer(carry, layer_inputs):
         x, pool = carry
         p, layer_id, rope_id, window = layer_inputs
-        p = jax.tree.map(from_storage, p)  # this layer's slice of the stack, in the parameters' dtype
+        # this layer's parameters in their dtype; 16-bit rows stay bits (the native kernel reads them as
+        # they are; a bit-cast of a parameter outside the scan's slicing is a copy on XLA's CPU backend)
+        p = jax.tree.map(from_storage, p, is_leaf=lambda x: isinstance(x, QuantizedWeight))
         h = norm(x, p.attn_norm)
         q, k, v = (_matmul("th,hnd->tnd", h, w) for w in (p.wq, p.wk, p.wv))
         if c.attention_bias:
@@ -138,7 +150,7 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
         pool = backend.write_kv(pool, layer_id, k, v, inputs.slot_mapping)
         attn = backend.attend(q, pool, layer_id, inputs, c.attention_scale,
                               window=window if c.has_windows else None, softcap=c.attn_logit_softcap)
-        out = _matmul("tnd,ndh->th", attn, p.wo)
+        out = _output_projection(attn, p.wo)
         x = x + (norm(out, p.post_attn_norm) if c.sandwich_norms else out)
         h = norm(x, p.mlp_norm)
         gate = _matmul("th,hi->ti", h, p.w_gate)
@@ -148,7 +160,12 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
         return (x, pool), None
 
     layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-    if num_layers is None or num_layers == c.num_layers:
+    if isinstance(params.layers, tuple):  # one LayerParams a layer (`unstack_layers`): the layers unrolled
+        carry = (x, cache.kv)
+        for i, p in enumerate(params.layers[:num_layers]):
+            carry, _ = layer(carry, (p, i, int(layer_rope[i]), windows[i]))
+        x, pool = carry
+    elif num_layers is None or num_layers == c.num_layers:
         (x, pool), _ = jax.lax.scan(layer, (x, cache.kv), (params.layers, layer_ids, layer_rope, windows))
     else:  # the first layers: each indexed from the stack in its iteration (a slice of the stack would be a copy)
         def first_layers(carry, inputs):

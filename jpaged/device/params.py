@@ -171,6 +171,25 @@ def to_storage(params: LlamaParams) -> LlamaParams:
     return jax.tree.map(bits, params)
 
 
+def unstack_layers(layers: LayerParams) -> tuple[LayerParams, ...]:
+    """The stacked layer parameters as one `LayerParams` a layer (each leaf without its layer axis): what
+    `jpaged.device.model.forward` runs unrolled, one layer after the other, reading each weight where it
+    lies. (A layer scan slices the stack: XLA's CPU backend copies each layer's weights out of it before
+    their products, a second pass over every weight in a decode step.) On a single CPU device every leaf
+    is a view of its stack (a numpy view placed without a copy where aligned, as every real model's
+    weights are), so the two forms share their memory; elsewhere each is a slice (a copy)."""
+    devices = {d for leaf in jax.tree.leaves(layers) for d in leaf.devices()}
+    device = next(iter(devices)) if len(devices) == 1 else None
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+
+    def layer(i):
+        if device is not None and device.platform == "cpu":
+            return jax.tree.map(lambda x: jax.device_put(np.asarray(x)[i], device, may_alias=True), layers)
+        return jax.tree.map(lambda x: x[i], layers)
+
+    return tuple(layer(i) for i in range(num_layers))
+
+
 def from_storage(x: jax.Array) -> jax.Array:
     """A parameter as the model computes with it: bfloat16 bit patterns (`to_storage`) bit-cast back
     to bfloat16; any other dtype as it is."""

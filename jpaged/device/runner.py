@@ -49,7 +49,8 @@ from jpaged.device.batch import (BlockTableCache, DataParallelInputs, ModelInput
 from jpaged.device.config import ModelConfig
 from jpaged.device.kv_cache import KVCache, back_with_huge_pages, pool_shape
 from jpaged.device.model import compute_logits, forward
-from jpaged.device.params import LlamaParams
+from jpaged.device.params import LlamaParams, unstack_layers
+from jpaged.device.quant import QuantizedWeight
 from jpaged.device.sampler import SamplingInputs, sample
 from jpaged.device.sharding import ShardedBackend, ShardingStrategy, replicate_kv_heads
 
@@ -120,6 +121,27 @@ _SAMPLE_MODES = ((False, False), (False, True), (True, True))
 # steps (what a backend does not read is packed at one entry: it adds no shape). Others: everything.
 _READS = {"native": ((False, False), (True, True)), "pallas": ((False, False), (True, True)),
           "xla": ((True, True), (False, False))}
+
+
+# decode steps of at most this many rows run their layers unrolled over per-layer views of the weights, on
+# one CPU device (`ModelRunner`'s `unrolled_max_rows`); more rows, or more devices: the layer scan
+UNROLLED_MAX_ROWS = 8
+
+
+def default_unrolled_max_rows(params: LlamaParams, *, sharded: bool) -> int:
+    """`UNROLLED_MAX_ROWS` for parameters on one CPU device, unless they hold int8 weights; else 0 (the
+    scan). Why, measured on the default model's one-row decode step (Intel Xeon, 2 cores): a layer scan
+    slices each layer's weights out of the stack, which XLA's CPU backend does by copying them before
+    their products, a second pass over every weight; unrolled, the products read them where they lie:
+    float32 39 -> 27 ms, bfloat16 rows 22 -> 20 ms. int8 weights went the other way (13.4 -> 14.5 ms):
+    the native kernel reads them from memory slower than a copy brings them into cache. The price is
+    compile time (a 30-layer step about 5x the scan's), hence few rows only."""
+    leaves = jax.tree.leaves(params.layers, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    devices = {d for leaf in jax.tree.leaves(params.layers) for d in leaf.devices()}
+    if sharded or len(devices) != 1 or next(iter(devices)).platform != "cpu":
+        return 0
+    int8 = any(isinstance(leaf, QuantizedWeight) and not leaf.is_16bit for leaf in leaves)
+    return 0 if int8 else UNROLLED_MAX_ROWS
 
 
 # executable name -> position of the KV cache it takes donated (and returns, first if several outputs)
@@ -206,12 +228,17 @@ class ModelRunner:
     `sharding` and `mesh` (both or neither): lay the parameters and the pool out over the mesh's
     devices (see the module docstring). With fewer KV heads than the tensor-parallel size, each KV
     head is stored `kv_head_replication` times (in wk, wv and the pool: `pool_config`).
+
+    `unrolled_max_rows`: decode steps of at most this many rows run the layers unrolled, over one
+    `LayerParams` a layer (`jpaged.device.params.unstack_layers`: on a CPU, views sharing the stack's
+    memory) instead of the layer scan; 0: never. Default: `default_unrolled_max_rows`.
     """
 
     def __init__(self, config: ModelConfig, params: LlamaParams, *, num_blocks: int, block_size: int,
                  dtype=jnp.float32, backend, num_cpu_blocks: int = 0,
                  prefill_q_tile: int = 64, prefill_key_tile: int = 128, decode_key_tile: int = 64,
-                 sharding: ShardingStrategy | None = None, mesh: jax.sharding.Mesh | None = None):
+                 sharding: ShardingStrategy | None = None, mesh: jax.sharding.Mesh | None = None,
+                 unrolled_max_rows: Optional[int] = None):
         if (sharding is None) != (mesh is None):
             raise ValueError("give a ModelRunner both sharding and mesh, or neither")
         if sharding is not None:
@@ -232,6 +259,11 @@ class ModelRunner:
             if sharding.axis_size("kv_heads", mesh) > 1:  # tensor parallel: attention per device on its heads
                 backend = ShardedBackend(backend, mesh, sharding)
         self.config, self.params, self.backend = config, params, backend
+        if unrolled_max_rows is None:
+            unrolled_max_rows = default_unrolled_max_rows(params, sharded=sharding is not None)
+        self.unrolled_max_rows = unrolled_max_rows
+        # the same parameters, one LayerParams a layer, for decode steps of few rows (None: never unrolled)
+        self._unrolled_params = params.replace(layers=unstack_layers(params.layers)) if unrolled_max_rows else None
         self.block_size = block_size
         self.prefill_q_tile = prefill_q_tile
         self.prefill_k_tile = block_size * max(1, prefill_key_tile // block_size)  # whole blocks
@@ -470,8 +502,16 @@ class ModelRunner:
             placed = self._by_rank(inputs.inputs)
             self.cache, logits = self._run(name, self.params, self.cache, placed, inputs.row_index)
         else:
-            self.cache, logits = self._run(name, self.params, self.cache, inputs)
+            params = self._step_params(decode, inputs.logits_index.shape[0])
+            self.cache, logits = self._run(name, params, self.cache, inputs)
         return logits
+
+    def _step_params(self, decode: bool, rows: int) -> LlamaParams:
+        """The parameters a step of `rows` (padded) rows takes: one LayerParams a layer for a decode step
+        within `unrolled_max_rows` (its layers unrolled), else the stack (the layer scan)."""
+        if decode and self._unrolled_params is not None and rows <= self.unrolled_max_rows:
+            return self._unrolled_params
+        return self.params
 
     def feed_tokens(self, inputs: ModelInputs, source: np.ndarray, sampled: jax.Array) -> ModelInputs:
         """Running ahead (async scheduling): `inputs` with packed token i replaced by `sampled[source[i]]`
@@ -644,7 +684,9 @@ class ModelRunner:
         for decode in (False, True):
             name = "decode_step" if decode else "prefill_step"
             for dims in shapes.all_dims(decode=decode):
-                jobs.append((name, (self.params, self.cache, shapes.abstract_inputs(dims, decode=decode)), {}))
+                inputs = shapes.abstract_inputs(dims, decode=decode)
+                params = self._step_params(decode, inputs.logits_index.shape[0])
+                jobs.append((name, (params, self.cache, inputs), {}))
                 if decode and draft_layers:
                     jobs.append(("draft_step", (self.params, self.cache, shapes.abstract_inputs(dims, decode=True)),
                                  dict(num_layers=draft_layers)))

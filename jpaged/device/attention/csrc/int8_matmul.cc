@@ -147,6 +147,13 @@ inline void Block(const Problem& p, int64_t m0, int64_t n0) {
   constexpr bool kScaled = !std::is_same_v<S, NoScale>;
   const int64_t K = p.K, G = p.G, groups = K / G;
   const W* w = static_cast<const W*>(p.w);
+  // The next NO channels' weights (contiguous, NO * K of them) are prefetched while these are read, as
+  // many bytes an iteration as it reads: NO rows of K weights each are too short a stream for the
+  // hardware prefetchers, and a decode step's weights come from memory. Measured on an Intel Xeon (2
+  // cores), bfloat16 [1536 x 576] weights of 60 layers, one row: 23 -> 35 GB/s as independent products,
+  // 15 -> 21 GB/s as a chain of dependent ones. (Reading each channel whole, one sequential stream,
+  // was slower, with or without prefetches.) Prefetches past the matrix's end never fault.
+  const char* ahead = reinterpret_cast<const char*>(w + (n0 + NO) * K);
   VF acc[R][NO] = {};
   float tail[R][NO] = {};
   for (int64_t g = 0; g < groups; ++g) {
@@ -156,6 +163,8 @@ inline void Block(const Problem& p, int64_t m0, int64_t n0) {
     const int64_t k1 = (g + 1) * G;
     int64_t k = g * G;
     for (; k + kLanes <= k1; k += kLanes) {
+      for (int b = 0; b < static_cast<int>(NO * kLanes * sizeof(W)); b += 64) __builtin_prefetch(ahead + b, 0, 3);
+      ahead += NO * kLanes * sizeof(W);
       VF xv[R];
       for (int r = 0; r < R; ++r) xv[r] = LoadF(p.x + (m0 + r) * K + k);
       for (int o = 0; o < NO; ++o) {
