@@ -50,7 +50,7 @@ from jpaged.device.config import ModelConfig
 from jpaged.device.kv_cache import KVCache, back_with_huge_pages, pool_shape
 from jpaged.device.model import compute_logits, forward
 from jpaged.device.params import LlamaParams, unstack_layers
-from jpaged.device.quant import QuantizedWeight
+from jpaged.device.quant import NATIVE16_MAX_ROWS, QuantizedWeight
 from jpaged.device.sampler import SamplingInputs, sample
 from jpaged.device.sharding import ShardedBackend, ShardingStrategy, replicate_kv_heads
 
@@ -134,14 +134,20 @@ def default_unrolled_max_rows(params: LlamaParams, *, sharded: bool) -> int:
     slices each layer's weights out of the stack, which XLA's CPU backend does by copying them before
     their products, a second pass over every weight; unrolled, the products read them where they lie:
     float32 39 -> 27 ms, bfloat16 rows 22 -> 20 ms. int8 weights went the other way (13.4 -> 14.5 ms):
-    the native kernel reads them from memory slower than a copy brings them into cache. The price is
-    compile time (a 30-layer step about 5x the scan's), hence few rows only."""
+    the native kernel reads them from memory slower than a copy brings them into cache. 16-bit rows
+    unroll only up to `NATIVE16_MAX_ROWS` rows (the native kernel's): XLA's dot past them takes the
+    rows bit-cast to bfloat16, which outside the scan's slicing is a copy of every weight (4 rows:
+    85 ms a token served, against llama.cpp's 39). The price is compile time (a 30-layer step about 5x
+    the scan's), hence few rows only."""
     leaves = jax.tree.leaves(params.layers, is_leaf=lambda x: isinstance(x, QuantizedWeight))
     devices = {d for leaf in jax.tree.leaves(params.layers) for d in leaf.devices()}
     if sharded or len(devices) != 1 or next(iter(devices)).platform != "cpu":
         return 0
-    int8 = any(isinstance(leaf, QuantizedWeight) and not leaf.is_16bit for leaf in leaves)
-    return 0 if int8 else UNROLLED_MAX_ROWS
+    if any(isinstance(leaf, QuantizedWeight) and not leaf.is_16bit for leaf in leaves):
+        return 0
+    if any(isinstance(leaf, QuantizedWeight) for leaf in leaves):  # 16-bit rows: where the native kernel takes them
+        return min(UNROLLED_MAX_ROWS, NATIVE16_MAX_ROWS)
+    return UNROLLED_MAX_ROWS
 
 
 # executable name -> position of the KV cache it takes donated (and returns, first if several outputs)
