@@ -93,8 +93,7 @@ def run(num_requests: int, max_tokens: int, num_single: int, rounds: int, log=pr
         single_prefix = _matching_prefix(single_tokens[dtype], single_tokens["float32"])
         runner_params = llm.engine.runner.params
         stored = {id(x): x for x in jax.tree.leaves(runner_params)}  # a tied int8 head shares the embedding's
-        wq = llm.engine.model.params.layers.wq
-        runner_wq = runner_params.layers.wq if runner_params.layers.wqkv is None else runner_params.layers.wqkv
+        wq, runner_wq = llm.engine.model.params.layers.wq, runner_params.layers.wq
         median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         results[dtype] = dict(
             one_stream_ms_per_token=median(ms_per_token[dtype]), rounds_one_stream_ms_per_token=ms_per_token[dtype],

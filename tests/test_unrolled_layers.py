@@ -2,10 +2,8 @@
 weights (`jpaged.device.params.unstack_layers`, `ModelRunner.unrolled_max_rows`): the views share the
 stack's memory, and the unrolled step computes what the layer scan computes (logits and the K/V it
 writes), for float32 and 16-bit-rows weights, on a family with per-layer windows, RoPE bases, biases,
-q/k norms, sandwich norms and soft-caps. Fused q/k/v and gate/up rows (`fuse_projections`, what a CPU
-engine makes of its 16-bit rows) compute what the separate products do. Agreement with HF transformers
-through the engine, whose decode steps take these paths, is tests/test_families.py's (float32) and
-tests/test_quantization.py's / tests/test_weights_dtype.py's (int8, bfloat16)."""
+q/k norms, sandwich norms and soft-caps. Agreement with HF transformers through the engine, whose decode
+steps take this path, is tests/test_families.py's."""
 
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ from jpaged.device.attention import native
 from jpaged.device.attention.xla import XLABackend
 from jpaged.device.config import ModelConfig
 from jpaged.device.params import LayerParams, init_params, to_storage, unstack_layers
-from jpaged.device.quant import (NATIVE16_MAX_ROWS, QuantizedWeight, bfloat16_row_params, fuse_projections,
-                                 quantize_params)
+from jpaged.device.quant import NATIVE16_MAX_ROWS, QuantizedWeight, bfloat16_row_params, quantize_params
 from jpaged.device.runner import UNROLLED_MAX_ROWS, ModelRunner, default_unrolled_max_rows
 
 LLAMA = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
@@ -108,37 +105,3 @@ def test_decode_steps_past_the_limit_and_prefill_take_the_stack():
                       backend=XLABackend())
     assert isinstance(off._step_params(True, 1).layers, LayerParams)
     assert not any(isinstance(leaf, QuantizedWeight) for leaf in jax.tree.leaves(off.params))
-
-
-@pytest.mark.skipif(not native.available_variants(), reason="the native library is not built")
-@pytest.mark.parametrize("weights", ["bfloat16-rows", "int8"])
-@pytest.mark.parametrize("config", [LLAMA, GEMMA], ids=["llama", "gemma"])
-def test_fused_projections_compute_what_the_parts_do(config, weights):
-    params = init_params(config, jax.random.key(2), scale=0.15)
-    if weights == "int8":
-        params = quantize_params(params, "int8")
-    else:
-        params = to_storage(bfloat16_row_params(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)))
-    fused = fuse_projections(params)
-    assert fused.layers.wq is None and fused.layers.w_gate is None
-    assert fused.layers.wqkv.values.shape[-2] == (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-    assert fused.layers.w_gate_up.values.shape[-2] == 2 * config.intermediate_size
-    results = []
-    for p in (params, fused):
-        for unrolled in (UNROLLED_MAX_ROWS, 0):
-            runner = ModelRunner(config, p, num_blocks=16, block_size=8, unrolled_max_rows=unrolled,
-                                 backend=native.NativeBackend())
-            runner.execute(_prefill_rows(2), decode=False)
-            results.append((np.asarray(runner.execute(_decode_rows(2), decode=True))[:2], np.asarray(runner.cache.kv)))
-    (logits, kv), *others = results
-    assert np.abs(logits).max() > 0.1
-    for other_logits, other_kv in others:
-        np.testing.assert_allclose(other_logits, logits, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(other_kv, kv, rtol=1e-5, atol=1e-5)
-
-
-def test_fusing_leaves_float_weights_as_they_are():
-    params = init_params(LLAMA, jax.random.key(0))
-    out = fuse_projections(params)
-    assert out.layers.wqkv is None and out.layers.w_gate_up is None
-    assert out.layers.wq is params.layers.wq and out.layers.w_up is params.layers.w_up

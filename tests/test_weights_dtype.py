@@ -36,11 +36,8 @@ def test_bfloat16_parameters_are_stored_in_16_bits(bf16_llm, llm):
     assert all(x.dtype == BF16_BITS for x in jax.tree.leaves(stored))
     embed = getattr(stored.embed, "values", stored.embed)
     assert embed.unsafe_buffer_pointer() == engine.model.params.embed.unsafe_buffer_pointer()
-    if native.available_variants():  # dense weights as [out, in] rows for the native few-row kernel, with
-        # q/k/v and gate/up fused (one product each)
-        assert isinstance(stored.layers.w_gate_up, QuantizedWeight) and stored.layers.w_gate_up.is_16bit
-        assert stored.layers.w_up is None and stored.layers.wq is None and stored.layers.wqkv.is_16bit
-        assert isinstance(stored.layers.w_down, QuantizedWeight) and stored.layers.w_down.is_16bit
+    if native.available_variants():  # dense weights as [out, in] rows for the native few-row kernel
+        assert isinstance(stored.layers.w_up, QuantizedWeight) and stored.layers.w_up.is_16bit
         assert stored.lm_head.values is stored.embed.values  # the tied head: a view of the embedding
     else:
         assert stored.layers.w_up.unsafe_buffer_pointer() == engine.model.params.layers.w_up.unsafe_buffer_pointer()
@@ -146,12 +143,12 @@ def test_bfloat16_native_rows_give_the_xla_paths_tokens(bf16_llm, make_llm, monk
     xla = make_llm(dtype="bfloat16", num_blocks=64)
     monkeypatch.undo()
     assert not isinstance(xla.engine.runner.params.layers.wq, QuantizedWeight)
-    assert isinstance(bf16_llm.engine.runner.params.layers.wqkv, QuantizedWeight)  # rows, q/k/v fused
+    assert isinstance(bf16_llm.engine.runner.params.layers.wq, QuantizedWeight)
     for prompt in prompts:
         want, got = (m.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids for m in (xla, bf16_llm))
         assert list(got) == list(want)
     draft = make_llm(dtype="bfloat16", num_blocks=64, speculative_method="draft-layers", num_speculative_tokens=2)
-    assert isinstance(draft.engine.runner.params.layers.wqkv, QuantizedWeight)
+    assert isinstance(draft.engine.runner.params.layers.wq, QuantizedWeight)
     got = draft.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert len(got) == NUM_TOKENS
     assert quant.NATIVE16_MAX_ROWS >= 1

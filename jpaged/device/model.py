@@ -141,12 +141,7 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
         # they are; a bit-cast of a parameter outside the scan's slicing is a copy on XLA's CPU backend)
         p = jax.tree.map(from_storage, p, is_leaf=lambda x: isinstance(x, QuantizedWeight))
         h = norm(x, p.attn_norm)
-        if p.wqkv is not None:  # fused rows (`fuse_projections`): one product, split into q, k, v
-            qkv = _matmul("th,hk->tk", h, p.wqkv)
-            q, k, v = jnp.split(qkv, [c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim], -1)
-            q, k, v = (a.reshape(a.shape[0], -1, c.head_dim) for a in (q, k, v))
-        else:
-            q, k, v = (_matmul("th,hnd->tnd", h, w) for w in (p.wq, p.wk, p.wv))
+        q, k, v = (_matmul("th,hnd->tnd", h, w) for w in (p.wq, p.wk, p.wv))
         if c.attention_bias:
             q, k, v = q + p.bq, k + p.bk, v + p.bv
         if c.qk_norm:
@@ -158,10 +153,8 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
         out = _output_projection(attn, p.wo)
         x = x + (norm(out, p.post_attn_norm) if c.sandwich_norms else out)
         h = norm(x, p.mlp_norm)
-        if p.w_gate_up is not None:  # fused rows: one product, split into gate and up
-            gate, up = jnp.split(_matmul("th,hi->ti", h, p.w_gate_up), 2, -1)
-        else:
-            gate, up = _matmul("th,hi->ti", h, p.w_gate), _matmul("th,hi->ti", h, p.w_up)
+        gate = _matmul("th,hi->ti", h, p.w_gate)
+        up = _matmul("th,hi->ti", h, p.w_up)
         out = _matmul("ti,ih->th", activation(gate) * up, p.w_down)
         x = x + (norm(out, p.post_mlp_norm) if c.sandwich_norms else out)
         return (x, pool), None

@@ -75,11 +75,6 @@ class LayerParams:
     k_norm: Optional[jax.Array] = None
     post_attn_norm: Optional[jax.Array] = None
     post_mlp_norm: Optional[jax.Array] = None
-    # a CPU runner's fused rows (`jpaged.device.quant.fuse_projections`): wq, wk, wv as one weight of
-    # [hidden, (num_heads + 2 num_kv_heads) head_dim], w_gate and w_up as one of [hidden, 2 intermediate],
-    # in place of those leaves (then None): one product each instead of three and two
-    wqkv: Optional[jax.Array] = None
-    w_gate_up: Optional[jax.Array] = None
 
 
 @struct.dataclass

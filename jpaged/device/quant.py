@@ -160,38 +160,6 @@ def bfloat16_row_params(params):
                       else w)
 
 
-def fuse_projections(params):
-    """`params` with wq, wk, wv fused into one `wqkv` and w_gate, w_up into one `w_gate_up` (their rows
-    stacked: [*stack, (num_heads + 2 num_kv_heads) head_dim, hidden] and [*stack, 2 intermediate,
-    hidden]) where all are `QuantizedWeight`s of one kind (16-bit rows, or int8 with equal groups), so
-    that a layer's few-row products are four native calls instead of seven (each call pays a helper
-    thread's wake-up and a short read). The fused arrays are new: where the parts are held elsewhere too
-    (int8 weights are the engine's own `engine.model.params`), the weights are then held twice;
-    16-bit rows are the runner's own copy, which the fused ones replace. Other params come back as they are."""
-    layers = params.layers
-
-    def fused(names, logical_width):
-        parts = [getattr(layers, n) for n in names]
-        if not all(isinstance(w, QuantizedWeight) and w.values.ndim == 3 and w.in_axes == (0,) for w in parts):
-            return None
-        if len({w.is_16bit for w in parts}) != 1 or len({w.group_size for w in parts}) != 1:
-            return None
-        values = jnp.concatenate([w.values for w in parts], axis=-2)
-        scales = None if parts[0].is_16bit else jnp.concatenate([w.scales for w in parts], axis=-2)
-        return QuantizedWeight(values, scales, (parts[0].logical_shape[0], logical_width), (0,))
-
-    qkv_width = sum(math.prod(getattr(layers, n).logical_shape[1:]) for n in ("wq", "wk", "wv")
-                    if isinstance(getattr(layers, n), QuantizedWeight))
-    mlp_width = sum(math.prod(getattr(layers, n).logical_shape[1:]) for n in ("w_gate", "w_up")
-                    if isinstance(getattr(layers, n), QuantizedWeight))
-    wqkv, w_gate_up = fused(("wq", "wk", "wv"), qkv_width), fused(("w_gate", "w_up"), mlp_width)
-    if wqkv is not None:
-        layers = layers.replace(wqkv=wqkv, wq=None, wk=None, wv=None)
-    if w_gate_up is not None:
-        layers = layers.replace(w_gate_up=w_gate_up, w_gate=None, w_up=None)
-    return params.replace(layers=layers)
-
-
 def _map_dense(params, convert):
     """`params` with `convert(w, logical_shape, in_axes)` in place of each dense leaf (`IN_AXES`) that is a
     plain array (absent and `QuantizedWeight` leaves stay); where the embeddings are tied and the

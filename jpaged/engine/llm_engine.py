@@ -49,7 +49,7 @@ from jpaged.core.sequence import GroupStatus, Sequence, SequenceGroup
 from jpaged.device.attention import get_backend
 from jpaged.device.kv_cache import bytes_per_block, check_pool_fits, num_blocks_for_memory, parse_memory_size
 from jpaged.device.params import LlamaParams, cast_params, check_params, num_params, to_storage
-from jpaged.device.quant import QuantizedWeight, bfloat16_row_params, fuse_projections, quantize_params
+from jpaged.device.quant import bfloat16_row_params, quantize_params
 from jpaged.device.runner import ModelRunner, SampleRow, WarmUp
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.draft import SelfDraftProposer
@@ -200,12 +200,7 @@ class LLMEngine:
             on_cpu = jax.default_backend() == "cpu"
             # on one CPU device, bfloat16 dense weights as [out, in] rows of bits for the native few-row
             # kernel (jpaged.device.quant.bfloat16_row_params; as they are without the native library)
-            runner_params = self.model.params
-            if on_cpu and sharding is None:
-                runner_params = bfloat16_row_params(runner_params)
-                if runner_params is not self.model.params and isinstance(runner_params.layers.wq, QuantizedWeight) \
-                        and runner_params.layers.wq.is_16bit:  # the rows are the runner's own: fused, not held twice
-                    runner_params = fuse_projections(runner_params)
+            runner_params = bfloat16_row_params(self.model.params) if on_cpu and sharding is None else self.model.params
             runner = ModelRunner(model_config, to_storage(runner_params) if on_cpu else runner_params,
                                  num_blocks=num_blocks, block_size=config.block_size, dtype=dtype,
                                  num_cpu_blocks=num_cpu_blocks, backend=backend, sharding=sharding, mesh=mesh)
