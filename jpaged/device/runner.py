@@ -264,7 +264,7 @@ class ModelRunner:
             params = jax.device_put(params, sharding.param_shardings(mesh, params))
             if sharding.axis_size("kv_heads", mesh) > 1:  # tensor parallel: attention per device on its heads
                 backend = ShardedBackend(backend, mesh, sharding)
-        self.config, self.params, self.backend = config, params, backend
+        self.config, self._params, self.backend = config, params, backend
         if unrolled_max_rows is None:
             unrolled_max_rows = default_unrolled_max_rows(params, sharded=sharding is not None)
         self.unrolled_max_rows = unrolled_max_rows
@@ -353,6 +353,12 @@ class ModelRunner:
             cache = KVCache(kv=zeros())
         back_with_huge_pages(cache)  # on CPUs: attention reads blocks scattered over the pool
         return cache
+
+    @property
+    def params(self) -> LlamaParams:
+        """The parameters as placed (read-only: the per-layer views of unrolled decode steps share their
+        memory; another set of weights is another runner)."""
+        return self._params
 
     @property
     def devices(self) -> tuple:
