@@ -48,6 +48,8 @@ def test_int8_weights_keep_the_scan_and_sharded_or_stacked_defaults():
     assert default_unrolled_max_rows(params, sharded=False) == UNROLLED_MAX_ROWS
     assert default_unrolled_max_rows(params, sharded=True) == 0
     assert default_unrolled_max_rows(quantize_params(params, "int8"), sharded=False) == 0
+    plain16 = to_storage(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))  # bits, as without the library
+    assert default_unrolled_max_rows(plain16, sharded=False) == 0
     if native.available_variants():  # 16-bit rows: up to the rows the native kernel takes
         rows16 = bfloat16_row_params(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
         assert default_unrolled_max_rows(to_storage(rows16), sharded=False) == NATIVE16_MAX_ROWS

@@ -49,7 +49,7 @@ from jpaged.device.batch import (BlockTableCache, DataParallelInputs, ModelInput
 from jpaged.device.config import ModelConfig
 from jpaged.device.kv_cache import KVCache, back_with_huge_pages, pool_shape
 from jpaged.device.model import compute_logits, forward
-from jpaged.device.params import LlamaParams, unstack_layers
+from jpaged.device.params import BF16_BITS, LlamaParams, unstack_layers
 from jpaged.device.quant import NATIVE16_MAX_ROWS, QuantizedWeight
 from jpaged.device.sampler import SamplingInputs, sample
 from jpaged.device.sharding import ShardedBackend, ShardingStrategy, replicate_kv_heads
@@ -129,9 +129,10 @@ UNROLLED_MAX_ROWS = 8
 
 
 def default_unrolled_max_rows(params: LlamaParams, *, sharded: bool) -> int:
-    """`UNROLLED_MAX_ROWS` for parameters on one CPU device, unless they hold int8 weights; else 0 (the
-    scan). Why, measured on the default model's one-row decode step (Intel Xeon, 2 cores): a layer scan
-    slices each layer's weights out of the stack, which XLA's CPU backend does by copying them before
+    """`UNROLLED_MAX_ROWS` for parameters on one CPU device, unless they hold int8 weights or bfloat16
+    weights as plain bits (without the native library); else 0 (the scan). Why, measured on the
+    default model's one-row decode step (Intel Xeon, 2 cores): a layer scan slices each layer's
+    weights out of the stack, which XLA's CPU backend does by copying them before
     their products, a second pass over every weight; unrolled, the products read them where they lie:
     float32 39 -> 27 ms, bfloat16 rows 22 -> 20 ms. int8 weights went the other way (13.4 -> 14.5 ms):
     the native kernel reads them from memory slower than a copy brings them into cache. 16-bit rows
@@ -145,6 +146,9 @@ def default_unrolled_max_rows(params: LlamaParams, *, sharded: bool) -> int:
         return 0
     if any(isinstance(leaf, QuantizedWeight) and not leaf.is_16bit for leaf in leaves):
         return 0
+    dense = [getattr(params.layers, name) for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
+    if any(not isinstance(w, QuantizedWeight) and w.dtype == BF16_BITS for w in dense):
+        return 0  # bfloat16 weights as plain bits (no native library): each bit-cast unrolled would be a copy
     if any(isinstance(leaf, QuantizedWeight) for leaf in leaves):  # 16-bit rows: where the native kernel takes them
         return min(UNROLLED_MAX_ROWS, NATIVE16_MAX_ROWS)
     return UNROLLED_MAX_ROWS
