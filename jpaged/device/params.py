@@ -158,6 +158,14 @@ def cast_params(params: LlamaParams, dtype) -> LlamaParams:
     return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
+def single_cpu_device(tree):
+    """The device every array of `tree` lives on, when that is one CPU device (where a numpy view of an
+    array is its memory); else None (several devices, an accelerator, or no placed array)."""
+    devices = {d for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array) for d in leaf.devices()}
+    device = next(iter(devices)) if len(devices) == 1 else None
+    return device if device is not None and device.platform == "cpu" else None
+
+
 def to_storage(params: LlamaParams) -> LlamaParams:
     """`params` as a CPU runner keeps them: every bfloat16 leaf as its uint16 bit patterns (see the
     module docstring), the others as they are. On a CPU a single-device leaf is reinterpreted in
@@ -165,8 +173,9 @@ def to_storage(params: LlamaParams) -> LlamaParams:
     def bits(x):
         if x.dtype != jnp.bfloat16:
             return x
-        if isinstance(x, jax.Array) and len(x.devices()) == 1 and next(iter(x.devices())).platform == "cpu":
-            return jax.device_put(np.asarray(x).view(np.uint16), next(iter(x.devices())))  # zero-copy on a CPU
+        device = single_cpu_device(x)
+        if device is not None:
+            return jax.device_put(np.asarray(x).view(np.uint16), device)  # zero-copy on a CPU
         return jax.lax.bitcast_convert_type(x, BF16_BITS)
     return jax.tree.map(bits, params)
 
@@ -178,12 +187,11 @@ def unstack_layers(layers: LayerParams) -> tuple[LayerParams, ...]:
     their products, a second pass over every weight in a decode step.) On a single CPU device every leaf
     is a view of its stack (a numpy view placed without a copy where aligned, as every real model's
     weights are), so the two forms share their memory; elsewhere each is a slice (a copy)."""
-    devices = {d for leaf in jax.tree.leaves(layers) for d in leaf.devices()}
-    device = next(iter(devices)) if len(devices) == 1 else None
+    device = single_cpu_device(layers)
     num_layers = jax.tree.leaves(layers)[0].shape[0]
 
     def layer(i):
-        if device is not None and device.platform == "cpu":
+        if device is not None:
             return jax.tree.map(lambda x: jax.device_put(np.asarray(x)[i], device, may_alias=True), layers)
         return jax.tree.map(lambda x: x[i], layers)
 

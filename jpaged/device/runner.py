@@ -49,8 +49,8 @@ from jpaged.device.batch import (BlockTableCache, DataParallelInputs, ModelInput
 from jpaged.device.config import ModelConfig
 from jpaged.device.kv_cache import KVCache, back_with_huge_pages, pool_shape
 from jpaged.device.model import compute_logits, forward
-from jpaged.device.params import BF16_BITS, LlamaParams, unstack_layers
-from jpaged.device.quant import NATIVE16_MAX_ROWS, QuantizedWeight
+from jpaged.device.params import BF16_BITS, LlamaParams, single_cpu_device, unstack_layers
+from jpaged.device.quant import IN_AXES, NATIVE16_MAX_ROWS, QuantizedWeight
 from jpaged.device.sampler import SamplingInputs, sample
 from jpaged.device.sharding import ShardedBackend, ShardingStrategy, replicate_kv_heads
 
@@ -140,16 +140,14 @@ def default_unrolled_max_rows(params: LlamaParams, *, sharded: bool) -> int:
     rows bit-cast to bfloat16, which outside the scan's slicing is a copy of every weight (4 rows:
     85 ms a token served, against llama.cpp's 39). The price is compile time (a 30-layer step about 5x
     the scan's), hence few rows only."""
-    leaves = jax.tree.leaves(params.layers, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-    devices = {d for leaf in jax.tree.leaves(params.layers) for d in leaf.devices()}
-    if sharded or len(devices) != 1 or next(iter(devices)).platform != "cpu":
+    if sharded or single_cpu_device(params.layers) is None:
         return 0
-    if any(isinstance(leaf, QuantizedWeight) and not leaf.is_16bit for leaf in leaves):
+    dense = [getattr(params.layers, name) for name in IN_AXES if name not in ("embed", "lm_head")]
+    if any(isinstance(w, QuantizedWeight) and not w.is_16bit for w in dense):
         return 0
-    dense = [getattr(params.layers, name) for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
     if any(not isinstance(w, QuantizedWeight) and w.dtype == BF16_BITS for w in dense):
         return 0  # bfloat16 weights as plain bits (no native library): each bit-cast unrolled would be a copy
-    if any(isinstance(leaf, QuantizedWeight) for leaf in leaves):  # 16-bit rows: where the native kernel takes them
+    if any(isinstance(w, QuantizedWeight) for w in dense):  # 16-bit rows: where the native kernel takes them
         return min(UNROLLED_MAX_ROWS, NATIVE16_MAX_ROWS)
     return UNROLLED_MAX_ROWS
 
@@ -704,8 +702,7 @@ class ModelRunner:
                 params = self._step_params(decode, inputs.logits_index.shape[0])
                 jobs.append((name, (params, self.cache, inputs), {}))
                 if decode and draft_layers:
-                    jobs.append(("draft_step", (self.params, self.cache, shapes.abstract_inputs(dims, decode=True)),
-                                 dict(num_layers=draft_layers)))
+                    jobs.append(("draft_step", (self.params, self.cache, inputs), dict(num_layers=draft_layers)))
         vocab = self.params.lm_head.shape[-1]
         logits_sharding = self.sharding.replicated(self.mesh) if self.sharding is not None else None
         for rows in bucket_values(1, shapes.max_num_seqs, row_bucket):  # every logits row count of a step
