@@ -16,7 +16,7 @@ import transformers
 from jpaged.core.sampling_params import SamplingParams
 from jpaged.device.attention import native
 from jpaged.device.model import sequence_logits
-from jpaged.device.quant import (NATIVE_MAX_ROWS, QuantizedWeight, dequantize, quantize, quantize_params,
+from jpaged.device.quant import (NATIVE_MAX_ROWS, QuantizedWeight, bfloat16_rows, dequantize, quantize, quantize_params,
                                  quantized_matmul, take_rows)
 from jpaged.engine import EngineConfig
 from jpaged.weights import loader
@@ -52,8 +52,33 @@ def test_int8_matmul_matches_float64(k, n, group, scale_dtype):
         np.testing.assert_allclose(np.asarray(matmul(x, w)), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
         for variant in native.available_variants()[1:] if rows in (1, 9) else ():  # the other builds (AVX2, portable)
             call = jax.ffi.ffi_call(native.int8_matmul_target(variant), jax.ShapeDtypeStruct((rows, n), jnp.float32))
-            np.testing.assert_allclose(np.asarray(call(x, values, scales)), ref, rtol=1e-5,
+            np.testing.assert_allclose(np.asarray(call(x, values, scales, np.int32(0))), ref, rtol=1e-5,
                                        atol=1e-5 * np.abs(ref).max(), err_msg=variant)
+
+
+@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+def test_a_layer_of_a_stack_is_read_in_place(kind):
+    """A layer of a stacked weight (`of_layer`: what the layer scan hands the native kernels, which read
+    it inside the stack) gives that layer's product, at native and XLA row counts; a layer out of the
+    stack's range fails the call instead of reading past it."""
+    rng = np.random.default_rng(1)
+    stack = rng.standard_normal((3, 96, 40)).astype(np.float32)  # [L, in, out]
+    if kind == "int8":
+        w = quantize(stack, (96, 40), (0,))
+    else:
+        w = bfloat16_rows(jnp.asarray(stack, jnp.bfloat16), (96, 40), (0,))
+    matmul = jax.jit(lambda x, w, i: quantized_matmul(x, w.of_layer(i)))
+    for rows in (1, 5, 40, 300):
+        x = rng.standard_normal((rows, 96)).astype(np.float32)
+        for i in (0, 2):
+            one = QuantizedWeight(w.values[i], None if w.scales is None else w.scales[i], w.logical_shape, w.in_axes)
+            want = np.asarray(quantized_matmul(x, one))
+            np.testing.assert_allclose(np.asarray(matmul(x, w, i)), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    if native.available_variants():
+        target = native.int8_matmul_target() if kind == "int8" else native.weight16_matmul_target()
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((1, 40), jnp.float32))
+        with pytest.raises(Exception, match="layer out of range"):
+            call(x[:1], w.values, *(() if w.scales is None else (w.scales,)), np.int32(3))
 
 
 def test_native_kernel_is_the_few_row_path():

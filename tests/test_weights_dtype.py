@@ -4,6 +4,8 @@ float32 is what it was."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,7 @@ from jpaged.device import quant
 from jpaged.device.attention import native
 from jpaged.device.model import compute_logits
 from jpaged.device.params import BF16_BITS, cast_params, num_params, to_storage
-from jpaged.device.quant import NATIVE16_MAX_ROWS, QuantizedWeight, bfloat16_rows, quantized_matmul, take_rows
+from jpaged.device.quant import AMX_MAX_ROWS, NATIVE16_MAX_ROWS, QuantizedWeight, bfloat16_rows, quantized_matmul, take_rows
 
 on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU storage form of bfloat16 parameters")
 NUM_TOKENS = 16
@@ -85,7 +87,8 @@ def test_bfloat16_greedy_agrees_with_float32(bf16_llm, llm, alpaca_prompts):
 @pytest.mark.parametrize("tied", [False, True])
 def test_bfloat16_rows_lm_head_accumulates_in_float32(default_model, tied):
     """`test_lm_head_accumulates_and_returns_float32` on 16-bit rows (`bfloat16_row_params`): one row
-    (the native kernel), a few (chunks of 4096 columns, native) and more than `NATIVE16_MAX_ROWS`
+    (the native kernel), a few (chunks of 4096 columns, native; with AMX one call), more than
+    `NATIVE16_MAX_ROWS` (chunks, XLA's dot; with AMX one native call) and more than `AMX_MAX_ROWS`
     (chunks, XLA's dot)."""
     config = default_model.config
     head = np.full((config.hidden_size, config.vocab_size), 4.0, np.float32)
@@ -94,33 +97,37 @@ def test_bfloat16_rows_lm_head_accumulates_in_float32(default_model, tied):
                                           embed=jnp.asarray(head.T) if tied else default_model.params.embed)
     params = to_storage(quant.bfloat16_row_params(cast_params(params, jnp.bfloat16)))
     assert isinstance(params.lm_head, QuantizedWeight) and (params.lm_head.values is params.embed.values) == tied
-    for rows in (1, 3, NATIVE16_MAX_ROWS + 2):
+    for rows in (1, 3, NATIVE16_MAX_ROWS + 2, AMX_MAX_ROWS + 1):
         hidden = jnp.ones((rows, config.hidden_size), jnp.float32)
         logits = jax.jit(lambda p, h: compute_logits(p, h, config=config))(params, hidden)
         assert logits.dtype == jnp.float32 and logits.shape == (rows, config.vocab_size)
         np.testing.assert_array_equal(np.asarray(logits), 2305.0)
 
 
-@pytest.mark.parametrize("k, n", [(64, 19), (50, 7), (33, 5)])
+@pytest.mark.parametrize("k, n", [(64, 19), (50, 7), (33, 5), (96, 200)])
 def test_weight16_matmul_matches_float64(k, n):
     """The native 16-bit kernel in every variant built (bfloat16 as bits and as bfloat16, float16) and
     `quantized_matmul` of 16-bit rows (native for few rows, XLA's bf16 dot for more), against float64,
-    at sizes that are not multiples of the vectors."""
+    at sizes that are not multiples of the vectors. bfloat16 weights take x rounded to bfloat16. Where
+    the CPU has AMX-BF16 (`native.amx_bf16()`), K = 64 and 96 from 4 rows run on the tiles: 17 and 33
+    rows leave a B tile half empty, 300 rows span two row chunks, and 19 and 200 channels end in
+    channels past the last whole tile."""
     rng = np.random.default_rng(k * n)
     w = rng.standard_normal((n, k)).astype(jnp.bfloat16)
-    for rows in (1, 2, 5, 9):
+    for rows in (1, 2, 5, 9, 17, 33, 300):
         x = rng.standard_normal((rows, k)).astype(np.float32)
+        xb = x.astype(jnp.bfloat16).astype(np.float64)
         for variant in native.available_variants():
             target = native.weight16_matmul_target(variant)
             call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, n), jnp.float32))
             for values in (w.view(np.uint16), w, w.astype(np.float16)):
-                ref = x.astype(np.float64) @ values.astype(np.float64).T if values.dtype != np.uint16 else \
-                    x.astype(np.float64) @ w.astype(np.float64).T
-                np.testing.assert_allclose(np.asarray(call(x, values)), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(),
-                                           err_msg=f"{variant} {values.dtype}")
+                ref = x.astype(np.float64) @ values.astype(np.float64).T if values.dtype == np.float16 else \
+                    xb @ w.astype(np.float64).T
+                np.testing.assert_allclose(np.asarray(call(x, values, np.int32(0))), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(),
+                                           err_msg=f"{variant} {values.dtype} {rows} rows")
     rows16 = bfloat16_rows(jnp.asarray(w.T), (k, n), (0,))  # logical [in, out]
     assert rows16.values.dtype == jnp.uint16 and rows16.values.shape == (n, k) and rows16.dtype == jnp.bfloat16
-    for rows in (1, NATIVE16_MAX_ROWS + 2):
+    for rows in (1, NATIVE16_MAX_ROWS + 2, AMX_MAX_ROWS + 1):
         x = rng.standard_normal((rows, k)).astype(np.float32)
         xb = x.astype(jnp.bfloat16).astype(np.float64)  # the activations rounded to bfloat16, as the model does
         ref = xb @ w.astype(np.float64).T
@@ -152,3 +159,15 @@ def test_bfloat16_native_rows_give_the_xla_paths_tokens(bf16_llm, make_llm, monk
     got = draft.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert len(got) == NUM_TOKENS
     assert quant.NATIVE16_MAX_ROWS >= 1
+
+
+@pytest.mark.skipif("avx512" not in native.available_variants(), reason="the AVX-512 native library is not built here")
+def test_amx_tiles_are_used_where_the_cpu_has_them():
+    """The AVX-512 library runs bfloat16 products on AMX tiles exactly where the CPU lists AMX-BF16 (and
+    Linux, which lists it, grants the tile state); there 16-bit products of up to `AMX_MAX_ROWS` rows
+    take the native kernel, elsewhere up to `NATIVE16_MAX_ROWS`. The other builds never use the tiles."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    assert native.amx_bf16() == ({"amx_bf16", "amx_tile"} <= flags)
+    assert quant.native16_max_rows() == (AMX_MAX_ROWS if native.amx_bf16() else NATIVE16_MAX_ROWS)
+    assert not any(native.amx_bf16(v) for v in native.available_variants() if v != "avx512")

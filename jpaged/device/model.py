@@ -44,7 +44,7 @@ from jpaged.device.batch import ModelInputs, pack_rows
 from jpaged.device.config import ModelConfig, rope_inv_freq
 from jpaged.device.kv_cache import KVCache
 from jpaged.device.params import LlamaParams, from_storage
-from jpaged.device.quant import QuantizedWeight, quantized_matmul, take_rows
+from jpaged.device.quant import QuantizedWeight, native16_max_rows, quantized_matmul, take_rows
 
 _SCRATCH_BLOCK_SIZE = 16
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -166,16 +166,45 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
             carry, _ = layer(carry, (p, i, int(layer_rope[i]), windows[i]))
         x, pool = carry
     elif num_layers is None or num_layers == c.num_layers:
-        (x, pool), _ = jax.lax.scan(layer, (x, cache.kv), (params.layers, layer_ids, layer_rope, windows))
+        # the scan slices the float leaves; int8 and 16-bit rows stay stacks that the native kernels index
+        stacks, sliced = _split_stacks(params.layers)
+
+        def each_layer(carry, inputs):
+            return layer(carry, (_layer_params(stacks, inputs[0], inputs[1]), *inputs[1:]))
+
+        (x, pool), _ = jax.lax.scan(each_layer, (x, cache.kv), (sliced, layer_ids, layer_rope, windows))
     else:  # the first layers: each indexed from the stack in its iteration (a slice of the stack would be a copy)
         def first_layers(carry, inputs):
             layer_id = inputs[0]
-            return layer(carry, (jax.tree.map(lambda a: a[layer_id], params.layers), *inputs))
+            return layer(carry, (_layer_params(params.layers, None, layer_id), *inputs))
 
         (x, pool), _ = jax.lax.scan(first_layers, (x, cache.kv), (layer_ids[:num_layers], layer_rope[:num_layers],
                                                                    windows[:num_layers]))
     x = norm(x, from_storage(params.final_norm))
     return KVCache(kv=pool), x
+
+
+def _is_weight(leaf) -> bool:
+    return isinstance(leaf, QuantizedWeight)
+
+
+def _split_stacks(layers):
+    """(stacks, rest) of stacked `LayerParams`: `stacks` holds the `QuantizedWeight` leaves (None elsewhere),
+    `rest` every other leaf (None where `stacks` has one), for a layer scan to slice."""
+    stacks = jax.tree.map(lambda a: a if _is_weight(a) else None, layers, is_leaf=_is_weight)
+    rest = jax.tree.map(lambda a: None if _is_weight(a) else a, layers, is_leaf=_is_weight)
+    return stacks, rest
+
+
+def _layer_params(stacks, sliced, layer_id):
+    """Layer `layer_id`'s parameters: each `QuantizedWeight` of `stacks` as `of_layer(layer_id)` (read in
+    place by the native kernels), the other leaves from `sliced` (one layer's, as a scan hands them), or
+    indexed from `stacks` when `sliced` is None."""
+    if sliced is None:
+        return jax.tree.map(lambda a: a.of_layer(layer_id) if _is_weight(a) else a[layer_id], stacks,
+                            is_leaf=_is_weight)
+    return jax.tree.map(lambda a, b: a.of_layer(layer_id) if _is_weight(a) else b, stacks, sliced,
+                        is_leaf=lambda a: a is None or _is_weight(a))
 
 
 def compute_logits(params: LlamaParams, hidden, *, config: ModelConfig) -> jax.Array:
@@ -193,15 +222,16 @@ def compute_logits(params: LlamaParams, hidden, *, config: ModelConfig) -> jax.A
 def _lm_head(hidden, w):
     """hidden f[..., hidden] @ w [hidden, vocab] -> f32[..., vocab]; an int8 head is one `_matmul`, and so
     is a 16-bit-rows head (`QuantizedWeight`) of one row (the native kernel: 1.5 ms for the default
-    model's). Another 16-bit head on a CPU is a scan over `_LM_HEAD_CHUNK` vocabulary columns at a time:
+    model's), or of up to `native16_max_rows()` rows where the native kernel runs on AMX tiles (64 rows:
+    3.9 ms, XLA's dot 17 ms). Another 16-bit head on a CPU is a scan over `_LM_HEAD_CHUNK` vocabulary columns at a time:
     XLA's CPU dot of one 16-bit row by the whole [576, 49152] head of the default model took 50-80 ms
     (float32: 4-6 ms), in chunks 6 ms; a 16-bit-rows head of 2-32 rows (each chunk native up to
-    `NATIVE16_MAX_ROWS` rows, else XLA's) 1.2-4x faster in chunks than in one call."""
+    `native16_max_rows()` rows, else XLA's) 1.2-4x faster in chunks than in one call."""
     vocab, size = w.shape[-1], _LM_HEAD_CHUNK
     num_chunks = vocab // size
     rows16 = isinstance(w, QuantizedWeight) and w.is_16bit and w.values.ndim == 2
-    one = math.prod(hidden.shape[:-1]) <= 1
-    if ((isinstance(w, QuantizedWeight) and (not rows16 or one)) or jnp.dtype(w.dtype).itemsize != 2
+    native = math.prod(hidden.shape[:-1]) <= max(1, native16_max_rows())
+    if ((isinstance(w, QuantizedWeight) and (not rows16 or native)) or jnp.dtype(w.dtype).itemsize != 2
             or num_chunks < 2 or jax.default_backend() != "cpu"):
         return _matmul("...h,hv->...v", hidden, from_storage(w))
     rows = hidden.reshape(-1, hidden.shape[-1])

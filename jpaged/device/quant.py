@@ -31,6 +31,13 @@ float32's 3.7 ms); more rows go by 4096-row chunks (`jpaged.device.model._lm_hea
 (weights from memory), 8-request batched decode ran 15% faster with XLA's dot at 8 rows than with the
 native kernel: hence `NATIVE16_MAX_ROWS` = 3.
 
+On a CPU with AMX-BF16 (`native.amx_bf16()`), the native kernel runs 4 rows or more on AMX tiles
+(bfloat16 x bfloat16 -> float32 tile products) and takes every 16-bit product of up to `AMX_MAX_ROWS`
+rows (`native16_max_rows`). Measured on an Intel Xeon with AMX (2 cores, kernel alone, the default
+model's shapes, against XLA's bf16 dot): 3.5-4.5x as fast at 4-15 rows, 1.2-2.6x at 16-128 (the
+[49152 x 576] LM head: 9-12x at 4-15 rows, 1.9x at 128), 0.6-1.2x at 256, slower beyond (XLA's dot
+reaches AMX through its own library there: ~1 TFLOP/s at 1024 rows, where the kernel makes 0.6-0.8).
+
 The product (`quantized_matmul`): up to `NATIVE_MAX_ROWS` rows (decode), the native kernel
 (`csrc/int8_matmul.cc`) reads each int8 weight once and widens it in registers; with more rows, or
 without the native library, XLA dequantizes and runs a float32 dot. XLA's CPU backend (jax 0.10.2) fuses
@@ -56,6 +63,7 @@ from jpaged.device.attention import native
 QUANTIZATIONS = ("int8",)
 NATIVE_MAX_ROWS = 32  # rows up to which the native kernel beats XLA's dequantize-then-dot (module docstring)
 NATIVE16_MAX_ROWS = 3  # rows up to which the native 16-bit kernel beats XLA's bf16 dot in a model (module docstring)
+AMX_MAX_ROWS = 128  # the same where the native kernel runs on AMX tiles (from 4 rows)
 IN_AXES = {"embed": (1,), "lm_head": (0,), "wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": (0,),
            "w_up": (0,), "w_down": (0,)}  # the contracted logical axes of each dense leaf of params.py
 
@@ -71,11 +79,21 @@ class QuantizedWeight:
     scales: Optional[jax.Array]
     logical_shape: tuple = struct.field(pytree_node=False)
     in_axes: tuple = struct.field(pytree_node=False)
+    layer: Optional[jax.Array] = None  # an int32 scalar: this is layer `layer` of the stack `values` (`of_layer`)
 
     @property
     def shape(self) -> tuple:
-        """The logical shape (params.py's layout), the stacked layer axis included."""
-        return tuple(self.values.shape[:-2]) + tuple(self.logical_shape)
+        """The logical shape (params.py's layout), the stacked layer axis included (none for `of_layer`)."""
+        return (() if self.layer is not None else tuple(self.values.shape[:-2])) + tuple(self.logical_shape)
+
+    def of_layer(self, layer) -> "QuantizedWeight":
+        """Layer `layer` (an int32 scalar, traced or not) of this stacked weight, without slicing it: the
+        native kernels read the layer inside the stack (`quantized_matmul`), where a slice in a layer scan
+        would be a copy of its weights on XLA's CPU backend (a 128-row bfloat16 decode step of the default
+        model: 20 ms of its 100)."""
+        if self.values.ndim != 3 or self.layer is not None:
+            raise ValueError(f"of_layer takes a stack of layers' weights, not values of shape {self.values.shape}")
+        return self.replace(layer=jnp.asarray(layer, jnp.int32))
 
     @property
     def is_16bit(self) -> bool:
@@ -98,7 +116,7 @@ class QuantizedWeight:
         arrays, so a tied LM head shares the embedding's memory."""
         if len(self.logical_shape) != 2:
             raise ValueError(f"only a 2-D weight has a transposed view, not one of shape {self.logical_shape}")
-        return QuantizedWeight(self.values, self.scales, self.logical_shape[::-1], (1 - self.in_axes[0],))
+        return QuantizedWeight(self.values, self.scales, self.logical_shape[::-1], (1 - self.in_axes[0],), self.layer)
 
 
 def quantize(w, logical_shape: tuple, in_axes: tuple, group_size: int | None = None) -> QuantizedWeight:
@@ -221,31 +239,44 @@ def take_rows(w, ids) -> jax.Array:
 def quantized_matmul(x, w: QuantizedWeight) -> jax.Array:
     """x f[..., *in] (the trailing axes: `w`'s contracted logical axes, in order) times an unstacked int8
     or 16-bit weight -> f32[..., *out] (`w`'s other logical axes, in order): the einsum `w` replaces. Few
-    rows (at most `NATIVE_MAX_ROWS`) on a CPU with the native library: the native kernel; else XLA. A
-    16-bit weight takes `x` rounded to bfloat16 (as a bfloat16 parameter's einsum does)."""
-    if w.values.ndim != 2:
+    rows (at most `NATIVE_MAX_ROWS`; 16-bit: `native16_max_rows()`) on a CPU with the native library:
+    the native kernel; else XLA. A 16-bit weight takes `x` rounded to bfloat16 (as a bfloat16 parameter's
+    einsum does). A weight of one layer of a stack (`of_layer`): the native kernel reads that layer in
+    place; XLA's path slices it out."""
+    if w.values.ndim != (2 if w.layer is None else 3):
         raise ValueError(f"a matmul takes one layer's weight, not a stack of shape {w.values.shape}")
     num_in = len(w.in_axes)
     batch = x.shape[:x.ndim - num_in]
     out_shape = tuple(w.logical_shape[a] for a in _out_axes(w))
+    n_out, n_in = w.values.shape[-2:]
+    layer = jnp.asarray(0 if w.layer is None else w.layer, jnp.int32)
+    sliced = lambda a: a if w.layer is None else a[w.layer]  # noqa: E731
     if w.is_16bit:
-        rows = x.reshape(-1, w.values.shape[1]).astype(jnp.bfloat16)
-        target = _weight16_target() if rows.shape[0] <= NATIVE16_MAX_ROWS else None
+        rows = x.reshape(-1, n_in).astype(jnp.bfloat16)
+        target = _weight16_target() if rows.shape[0] <= native16_max_rows() else None
         if target is not None:
-            call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], w.values.shape[0]), jnp.float32))
-            y = call(rows.astype(jnp.float32), w.values)
+            call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n_out), jnp.float32))
+            y = call(rows.astype(jnp.float32), w.values, layer)
         else:  # XLA's bf16 x bf16 -> f32 dot, contracting the rows' last axis
-            y = jax.lax.dot_general(rows, _bf16(w.values), (((1,), (1,)), ((), ())),
+            y = jax.lax.dot_general(rows, _bf16(sliced(w.values)), (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32)
         return y.reshape(*batch, *out_shape)
-    rows = x.reshape(-1, w.values.shape[1]).astype(jnp.float32)
+    rows = x.reshape(-1, n_in).astype(jnp.float32)
     target = _native_target() if rows.shape[0] <= NATIVE_MAX_ROWS else None
     if target is not None:
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], w.values.shape[0]), jnp.float32))
-        y = call(rows, w.values, w.scales)
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n_out), jnp.float32))
+        y = call(rows, w.values, w.scales, layer)
     else:
-        y = jnp.dot(rows, dequantize_rows(w.values, w.scales).T, preferred_element_type=jnp.float32)
+        y = jnp.dot(rows, dequantize_rows(sliced(w.values), sliced(w.scales)).T, preferred_element_type=jnp.float32)
     return y.reshape(*batch, *out_shape)
+
+
+def native16_max_rows() -> int:
+    """Rows up to which a 16-bit product takes the native kernel here: `AMX_MAX_ROWS` where it runs on AMX
+    tiles, else `NATIVE16_MAX_ROWS`; 0 where the native library cannot run."""
+    if _weight16_target() is None:
+        return 0
+    return AMX_MAX_ROWS if native.amx_bf16() else NATIVE16_MAX_ROWS
 
 
 def _native_target():

@@ -19,7 +19,8 @@ without them; `get_backend('auto')` then falls back to the XLA path and logs one
 
 The same libraries hold the few-row weight matmuls (`csrc/int8_matmul.cc`: `int8_matmul_target`, and
 `weight16_matmul_target` for bfloat16 weights), which `jpaged.device.quant` calls for few-row products
-of int8 and bfloat16 parameters.
+of int8 and bfloat16 parameters; on a CPU with AMX-BF16 the AVX-512 library runs bfloat16 products of
+4 rows or more on AMX tiles (`amx_bf16`).
 
 The cache write and the copy-on-write copies stay XLA's (`xla_write_kv`, `xla_copy_blocks`):
 they are scatters XLA does in place.
@@ -114,6 +115,20 @@ def weight16_matmul_target(variant: str = "auto") -> str:
     """The FFI target of the 16-bit weight matmul (bfloat16 bits or float16 values, no scales;
     `csrc/int8_matmul.cc`, used by `jpaged.device.quant`), registered once."""
     return target_name(variant, _WEIGHT16_HANDLER)
+
+
+@functools.cache
+def amx_bf16(variant: str = "auto") -> bool:
+    """Whether `variant`'s 16-bit weight matmul runs bfloat16 weights of 4 rows or more on AMX tiles: the
+    AVX-512 library, on a CPU with AMX-BF16 whose OS grants this process the tile state. False where
+    the native kernels cannot run."""
+    variants = available_variants()
+    if variant == "auto":
+        variant = variants[0] if variants else None
+    if variant not in variants:
+        return False
+    check = getattr(_library(variant), "JpagedAmxBf16", None)
+    return check is not None and bool(check())
 
 
 def row_queries(inputs):

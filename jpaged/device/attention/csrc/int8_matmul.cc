@@ -6,16 +6,23 @@
 // JpagedInt8Matmul, operands (see jpaged/device/quant.py, which flattens a parameter's logical layout
 // to these):
 //   x       f32[M, K]            activations, M rows
-//   values  s8[N, K]             the weight, one output channel per row (GGUF's / torch's [out, in])
-//   scales  f32 or f16 [N, K/G]  one scale per group of G consecutive input columns of a channel
+//   values  s8[(L,) N, K]        the weight, one output channel per row (GGUF's / torch's [out, in]),
+//                                or a stack of L layers' weights
+//   scales  f32 or f16 [(L,) N, K/G]  one scale per group of G consecutive input columns of a channel
 //                                (G = K: per output channel; G = 32: GGUF's Q8_0 blocks)
+//   layer   s32[]                which layer of a stack to use (0 for a 2-D weight; out of range: an
+//                                error). A layer scan hands the kernel the stack and its index: a slice
+//                                of the stack would be a copy of the layer's weights on XLA's CPU backend.
 // Result: f32[M, N], y[m, n] = sum_g scales[n, g] * sum_{k in group g} values[n, k] * x[m, k].
 //
 // JpagedWeight16Matmul, operands:
 //   x       f32[M, K]            activations, M rows
-//   values  u16 or bf16 [N, K]   bfloat16 weights (u16: their bit patterns, the CPU storage form), or
-//           f16 [N, K]           float16 weights; one output channel per row, no scales
-// Result: f32[M, N], y[m, n] = sum_k float(values[n, k]) * x[m, k] (float32 products and sums).
+//   values  u16 or bf16 [(L,) N, K]  bfloat16 weights (u16: their bit patterns, the CPU storage form), or
+//           f16 [(L,) N, K]      float16 weights; one output channel per row, no scales
+//   layer   s32[]                as for JpagedInt8Matmul
+// Result: f32[M, N], y[m, n] = sum_k float(values[n, k]) * x'[m, k] (float32 products and sums), where
+// x' is x rounded to bfloat16 for bfloat16 weights (a bf16 x bf16 -> f32 dot, as on the AMX tiles),
+// x itself for float16 ones.
 //
 // Each weight is read once per call from memory: kLanes at a time (one register: lanes.h), widened to
 // float32 (and scaled) in registers (bfloat16: a 16-bit shift), then multiplied into up to 8 rows of x
@@ -35,9 +42,18 @@
 #include <memory>
 #include <mutex>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
+#define JPAGED_AMX 1  // the AVX-512 build also holds the AMX bfloat16 path, used where the CPU and OS allow it
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__AVX2__) || defined(__AVX512F__)
 // GCC 12 warns of the "undefined" source register inside _mm512_cvtepi8_epi32 (a known false positive)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
@@ -132,12 +148,32 @@ inline float Scale(const S* s) {
   return static_cast<float>(*s);
 }
 
+// x's n values rounded to bfloat16 (to nearest even; NaNs are not kept), as float32.
+std::vector<float> RoundedToBf16(const float* x, int64_t n) {
+  std::vector<float> out(n);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    VU u;
+    std::memcpy(&u, x + i, sizeof u);
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000u;
+    std::memcpy(out.data() + i, &u, sizeof u);
+  }
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, sizeof u);
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000u;
+    std::memcpy(out.data() + i, &u, sizeof u);
+  }
+  return out;
+}
+
 struct Problem {
   const float* x;
   const void* w;       // int8_t, Bf16 or _Float16 [N, K]
   const void* scales;  // [N, K / G] (unscaled weights: unused, G = K)
   int64_t M, N, K, G;
   float* y;
+  const uint16_t* packed = nullptr;  // the AMX path's x as bfloat16 tiles (PackRowsForAmx); else unused
 };
 
 // Rows [m0, m0 + R) by output channels [n0, n0 + NO): R * NO independent accumulators. W: the weights'
@@ -194,9 +230,9 @@ void Rows(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
 }
 
 template <typename W, typename S>
-void Tile(const Problem& p, int64_t n0, int64_t n1) {
-  for (int64_t m = 0; m < p.M; m += kMaxRows) {
-    switch (std::min<int64_t>(kMaxRows, p.M - m)) {
+void Tile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  for (int64_t m = m0; m < m1; m += kMaxRows) {
+    switch (std::min<int64_t>(kMaxRows, m1 - m)) {
       case 1: Rows<W, S, 1>(p, m, n0, n1); break;
       case 2: Rows<W, S, 2>(p, m, n0, n1); break;
       case 3: Rows<W, S, 3>(p, m, n0, n1); break;
@@ -209,22 +245,143 @@ void Tile(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-// The tiles, claimed by the calling thread and XLA's intra-op threads; threads that start after the
-// last tile was claimed return without touching the buffers (which live only until the handler returns).
+#ifdef JPAGED_AMX
+// The AMX path of bfloat16 weights (Intel's Advanced Matrix Extensions: eight tile registers of up to
+// 16 rows x 64 bytes, and TDPBF16PS, a bfloat16 x bfloat16 -> float32 tile product), for many rows of x,
+// where a product is bound by arithmetic rather than by reading the weights. It computes y's transpose
+// tile by tile, so that the weights are loaded as they are stored:
+//   A tile: 16 output channels x 32 inputs of the weights, straight from [N, K] (stride 2K bytes);
+//   B tile: 32 inputs x 16 rows of x, in the instruction's pairs layout (row r holds, for each of the 16
+//           rows j of x, its inputs 2r and 2r + 1): x packed once per call (PackRowsForAmx);
+//   C tile: 16 channels x 16 rows of float32 sums, over all of K, then written into y transposed.
+// x is rounded to bfloat16 on every path (RoundedToBf16), so the paths differ only in the order of the
+// sums. K must be a multiple of 32; channels past the last whole 16 take the AVX-512 path. On a CPU without AMX (or K not a multiple of 32) the AVX-512 or AVX2 path takes every
+// row count.
+constexpr int64_t kAmxK = 32;         // inputs per tile (64 bytes of bfloat16)
+constexpr int64_t kAmxRows = 16;      // rows of x per B tile, channels per A tile
+constexpr int64_t kAmxRowChunk = 256; // rows of x per work item (its packed rows stay in L2 between items)
+constexpr int64_t kAmxMinRows = 4;    // fewer rows take the AVX-512 path
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether this CPU has AMX-BF16 and the kernel let this process use its tiles (Linux asks each process
+// to request the tile state: ARCH_REQ_XCOMP_PERM). Asked once.
+bool AmxReady() {
+  static const bool ready = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return tile && bf16 && syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+// x f32[M, K] as B tiles: for each block of 16 rows (the last padded with zeros) and 32 inputs, 16 x 16
+// pairs, block-row-major: packed[((mb * K / 32 + kb) * 16 + r) * 32 + 2 * j + e] = x[16 mb + j, 32 kb + 2 r + e],
+// rounded to nearest even. Each row's 32 inputs are one conversion (AVX512-BF16, which every AMX-BF16
+// CPU has) and one scatter of their 16 pairs down a tile's column.
+__attribute__((target("avx512bf16"))) std::vector<uint16_t> PackRowsForAmx(const float* x, int64_t M, int64_t K) {
+  const int64_t blocks = (M + kAmxRows - 1) / kAmxRows, kb_count = K / kAmxK;
+  std::vector<uint16_t> packed(blocks * kAmxRows * K, 0);
+  const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(kAmxRows));  // pair r -> dword 16 r of the tile
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    uint16_t* column = packed.data() + (m / kAmxRows) * kb_count * kAmxRows * kAmxK + 2 * (m % kAmxRows);
+    for (int64_t kb = 0; kb < kb_count; ++kb) {
+      const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + kb * kAmxK + 16), _mm512_loadu_ps(row + kb * kAmxK));
+      _mm512_i32scatter_epi32(column + kb * kAmxRows * kAmxK, down, reinterpret_cast<__m512i>(pairs), 4);
+    }
+  }
+  return packed;
+}
+
+// y[m, n] for rows [m0, m0 + 16 NB) (those below M) and channels [n0, n0 + 16 NA): NA x NB C tiles
+// (tmm0-3), NA A tiles (tmm4-5) and NB B tiles (tmm6-7) per 32 inputs.
+template <int NA, int NB>
+__attribute__((target("amx-tile,amx-bf16"))) void AmxBlock(const Problem& p, int64_t m0, int64_t n0) {
+  const int64_t K = p.K, kb_count = K / kAmxK;
+  const auto* w = static_cast<const uint16_t*>(p.w);
+  const uint16_t* b0 = p.packed + (m0 / kAmxRows) * kb_count * kAmxRows * kAmxK;
+  const uint16_t* b1 = b0 + kb_count * kAmxRows * kAmxK;
+  const uint16_t* a0 = w + n0 * K;
+  const uint16_t* a1 = a0 + kAmxRows * K;
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  if constexpr (NA == 2) _tile_zero(2);
+  if constexpr (NA == 2 && NB == 2) _tile_zero(3);
+  for (int64_t kb = 0; kb < kb_count; ++kb) {
+    _tile_loadd(4, a0 + kb * kAmxK, K * 2);
+    _tile_loadd(6, b0 + kb * kAmxRows * kAmxK, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB == 2) {
+      _tile_loadd(7, b1 + kb * kAmxRows * kAmxK, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (NA == 2) {
+      _tile_loadd(5, a1 + kb * kAmxK, K * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NB == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[4][kAmxRows][kAmxRows];  // [tile][channel][row]
+  _tile_stored(0, c[0], 64);
+  if constexpr (NB == 2) _tile_stored(1, c[1], 64);
+  if constexpr (NA == 2) _tile_stored(2, c[2], 64);
+  if constexpr (NA == 2 && NB == 2) _tile_stored(3, c[3], 64);
+  for (int a = 0; a < NA; ++a)
+    for (int b = 0; b < NB; ++b) {
+      const float(&t)[kAmxRows][kAmxRows] = c[a * 2 + b];
+      const int64_t mb = m0 + b * kAmxRows, rows = std::min<int64_t>(kAmxRows, p.M - mb);
+      const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                _mm512_set1_epi32(kAmxRows));
+      for (int64_t j = 0; j < rows; ++j)  // row j of y's block: column j of the tile
+        _mm512_storeu_ps(p.y + (mb + j) * p.N + n0 + a * kAmxRows, _mm512_i32gather_ps(column, &t[0][j], 4));
+    }
+}
+
+// Rows [m0, m1) by channels [n0, n1) on the tiles (m0 a multiple of 16); channels past the last whole
+// 16 on the AVX-512 path.
+__attribute__((target("amx-tile,amx-bf16"))) void AmxTile(const Problem& p, int64_t m0, int64_t m1, int64_t n0,
+                                                         int64_t n1) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = kAmxRows;
+  _tile_loadconfig(&config);
+  const int64_t whole = n0 + (n1 - n0) / kAmxRows * kAmxRows;
+  for (int64_t m = m0; m < m1; m += 2 * kAmxRows) {
+    const bool two_b = m + kAmxRows < m1;
+    int64_t n = n0;
+    for (; n + 2 * kAmxRows <= whole; n += 2 * kAmxRows) two_b ? AmxBlock<2, 2>(p, m, n) : AmxBlock<2, 1>(p, m, n);
+    for (; n < whole; n += kAmxRows) two_b ? AmxBlock<1, 2>(p, m, n) : AmxBlock<1, 1>(p, m, n);
+  }
+  _tile_release();
+  if (whole < n1) Tile<Bf16, NoScale>(p, m0, m1, whole, n1);
+}
+#endif  // JPAGED_AMX
+
+// The work items, each rows [m0, m1) by channels [n0, n1) (a chunk of rows by kTile channels, the rows'
+// chunks outermost), claimed by the calling thread and XLA's intra-op threads; threads that start after
+// the last item was claimed return without touching the buffers (which live only until the handler returns).
 struct Work {
   Problem problem;
-  void (*tile)(const Problem&, int64_t, int64_t);  // Tile<W, S>
-  int64_t tiles;
+  void (*tile)(const Problem&, int64_t, int64_t, int64_t, int64_t);  // Tile<W, S> or AmxTile
+  int64_t row_chunk;  // rows per item (M: one chunk)
+  int64_t tiles = 0, items = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   std::mutex mu;
   std::condition_variable finished;
 
   void Drain() {
-    for (int64_t t = next.fetch_add(1); t < tiles; t = next.fetch_add(1)) {
-      const int64_t n0 = t * kTile, n1 = std::min(problem.N, n0 + kTile);
-      tile(problem, n0, n1);
-      if (done.fetch_add(1) + 1 == tiles) {
+    for (int64_t t = next.fetch_add(1); t < items; t = next.fetch_add(1)) {
+      const int64_t m0 = t / tiles * row_chunk, n0 = t % tiles * kTile;
+      tile(problem, m0, std::min(problem.M, m0 + row_chunk), n0, std::min(problem.N, n0 + kTile));
+      if (done.fetch_add(1) + 1 == items) {
         std::lock_guard<std::mutex> lock(mu);
         finished.notify_all();
       }
@@ -232,53 +389,85 @@ struct Work {
   }
 };
 
-// Runs `work` (its problem and tile function set) on the calling thread and XLA's intra-op threads.
+// Runs `work` (its problem, tile function and row chunk set) on the calling thread and XLA's intra-op threads.
 ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
   const Problem& p = work->problem;
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   work->tiles = (p.N + kTile - 1) / kTile;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->tiles) - 1;
+  work->items = work->tiles * ((p.M + work->row_chunk - 1) / work->row_chunk);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->items) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
   work->Drain();
   std::unique_lock<std::mutex> lock(work->mu);
-  work->finished.wait(lock, [&] { return work->done.load() == work->tiles; });
+  work->finished.wait(lock, [&] { return work->done.load() == work->items; });
   return ffi::Error::Success();
 }
 
+// The layer `layer` of a stack [L, N, K] (a 2-D weight: one layer): its element offset, or -1 when
+// out of range.
+int64_t LayerOffset(ffi::Span<const int64_t> dims, ffi::Buffer<ffi::S32>& layer) {
+  const int64_t L = dims.size() == 3 ? dims[0] : 1, id = *layer.typed_data();
+  return id < 0 || id >= L ? -1 : id * dims[dims.size() - 2] * dims[dims.size() - 1];
+}
+
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> values,
-                      ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   auto x_dims = x.dimensions();
   auto w_dims = values.dimensions();
   auto s_dims = scales.dimensions();
-  if (x_dims.size() != 2 || w_dims.size() != 2 || s_dims.size() != 2)
-    return ffi::Error::InvalidArgument("int8 matmul: x must be [M, K], values [N, K], scales [N, K / G]");
-  const int64_t M = x_dims[0], K = x_dims[1], N = w_dims[0];
-  if (w_dims[1] != K || s_dims[0] != N || s_dims[1] < 1 || K % s_dims[1] != 0)
-    return ffi::Error::InvalidArgument("int8 matmul: values must be [N, K] with x's K, and scales [N, K / G] "
+  const size_t rank = w_dims.size();
+  if (x_dims.size() != 2 || (rank != 2 && rank != 3) || s_dims.size() != rank)
+    return ffi::Error::InvalidArgument("int8 matmul: x must be [M, K], values [(L,) N, K], scales [(L,) N, K / G]");
+  const int64_t M = x_dims[0], K = x_dims[1], N = w_dims[rank - 2], groups = s_dims[rank - 1];
+  if (w_dims[rank - 1] != K || s_dims[rank - 2] != N || groups < 1 || K % groups != 0 || (rank == 3 && s_dims[0] != w_dims[0]))
+    return ffi::Error::InvalidArgument("int8 matmul: values must be [(L,) N, K] with x's K, and scales [(L,) N, K / G] "
                                        "with G dividing K");
   const auto type = scales.element_type();
   if (type != ffi::DataType::F32 && type != ffi::DataType::F16)
     return ffi::Error::InvalidArgument("int8 matmul: scales must be float32 or float16");
+  const int64_t offset = LayerOffset(w_dims, layer);
+  if (offset < 0) return ffi::Error::InvalidArgument("int8 matmul: layer out of range");
+  const int64_t scale_offset = offset / K * groups, scale_size = type == ffi::DataType::F16 ? 2 : 4;
   auto work = std::make_shared<Work>();
-  work->problem = Problem{x.typed_data(), values.typed_data(), scales.untyped_data(), M, N, K,
-                          K / s_dims[1], y->typed_data()};
+  work->problem = Problem{x.typed_data(), values.typed_data() + offset,
+                          static_cast<const char*>(scales.untyped_data()) + scale_offset * scale_size, M, N, K,
+                          K / groups, y->typed_data()};
   work->tile = type == ffi::DataType::F16 ? Tile<int8_t, _Float16> : Tile<int8_t, float>;
+  work->row_chunk = M;
   return Run(pool, std::move(work));
 }
 
 ffi::Error Weight16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
-                          ffi::ResultBuffer<ffi::F32> y) {
+                          ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   auto x_dims = x.dimensions();
   auto w_dims = values.dimensions();
-  if (x_dims.size() != 2 || w_dims.size() != 2 || w_dims[1] != x_dims[1])
-    return ffi::Error::InvalidArgument("16-bit matmul: x must be [M, K] and values [N, K]");
+  const size_t rank = w_dims.size();
+  if (x_dims.size() != 2 || (rank != 2 && rank != 3) || w_dims[rank - 1] != x_dims[1])
+    return ffi::Error::InvalidArgument("16-bit matmul: x must be [M, K] and values [(L,) N, K]");
   const auto type = values.element_type();
   if (type != ffi::DataType::U16 && type != ffi::DataType::BF16 && type != ffi::DataType::F16)
     return ffi::Error::InvalidArgument("16-bit matmul: values must be bfloat16 (or its uint16 bits) or float16");
-  const int64_t M = x_dims[0], K = x_dims[1], N = w_dims[0];
+  const int64_t M = x_dims[0], K = x_dims[1], N = w_dims[rank - 2];
+  const int64_t offset = LayerOffset(w_dims, layer);
+  if (offset < 0) return ffi::Error::InvalidArgument("16-bit matmul: layer out of range");
+  const bool bf16 = type != ffi::DataType::F16;
+  std::vector<float> rounded;  // bfloat16 weights: x rounded to bfloat16 (these outlive Run, which returns
+  if (bf16) rounded = RoundedToBf16(x.typed_data(), M * K);  // when every item is done)
   auto work = std::make_shared<Work>();
-  work->problem = Problem{x.typed_data(), values.untyped_data(), nullptr, M, N, K, K, y->typed_data()};
-  work->tile = type == ffi::DataType::F16 ? Tile<_Float16, NoScale> : Tile<Bf16, NoScale>;
+  work->problem = Problem{bf16 ? rounded.data() : x.typed_data(),
+                          static_cast<const uint16_t*>(values.untyped_data()) + offset, nullptr, M, N, K, K,
+                          y->typed_data()};
+  work->tile = bf16 ? Tile<Bf16, NoScale> : Tile<_Float16, NoScale>;
+  work->row_chunk = M;
+#ifdef JPAGED_AMX
+  std::vector<uint16_t> packed;
+  if (bf16 && M >= kAmxMinRows && K % kAmxK == 0 && AmxReady()) {
+    packed = PackRowsForAmx(rounded.data(), M, K);
+    work->problem.packed = packed.data();
+    work->tile = AmxTile;
+    work->row_chunk = kAmxRowChunk;
+  }
+#endif
   return Run(pool, std::move(work));
 }
 
@@ -290,6 +479,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedInt8Matmul, Int8Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::S8>>()   // values
                                   .Arg<ffi::AnyBuffer>()         // scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedWeight16Matmul, Weight16Matmul,
@@ -297,4 +487,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedWeight16Matmul, Weight16Matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::AnyBuffer>()         // values: u16 (bfloat16 bits), bf16 or f16
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// Whether the 16-bit weight matmul of this library runs bfloat16 weights on AMX tiles for many rows (this
+// CPU has AMX-BF16, the OS granted the tile state, and the library is the AVX-512 build).
+extern "C" int JpagedAmxBf16() {
+#ifdef JPAGED_AMX
+  return AmxReady();
+#else
+  return 0;
+#endif
+}
