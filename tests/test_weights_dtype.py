@@ -109,7 +109,7 @@ def test_weight16_matmul_matches_float64(k, n):
     """The native 16-bit kernel in every variant built (bfloat16 as bits and as bfloat16, float16) and
     `quantized_matmul` of 16-bit rows (native for few rows, XLA's bf16 dot for more), against float64,
     at sizes that are not multiples of the vectors. bfloat16 weights take x rounded to bfloat16. Where
-    the CPU has AMX-BF16 (`native.amx_bf16()`), K = 64 and 96 from 4 rows run on the tiles: 17 and 33
+    the CPU has AMX-BF16 (`native.amx_bf16()`), K = 64 and 96 run on the tiles: 17 and 33
     rows leave a B tile half empty, 300 rows span two row chunks, and 19 and 200 channels end in
     channels past the last whole tile."""
     rng = np.random.default_rng(k * n)

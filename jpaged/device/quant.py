@@ -31,9 +31,10 @@ float32's 3.7 ms); more rows go by 4096-row chunks (`jpaged.device.model._lm_hea
 (weights from memory), 8-request batched decode ran 15% faster with XLA's dot at 8 rows than with the
 native kernel: hence `NATIVE16_MAX_ROWS` = 3.
 
-On a CPU with AMX-BF16 (`native.amx_bf16()`), the native kernel runs 4 rows or more on AMX tiles
-(bfloat16 x bfloat16 -> float32 tile products) and takes every 16-bit product of up to `AMX_MAX_ROWS`
-rows (`native16_max_rows`). Measured on an Intel Xeon with AMX (2 cores, kernel alone, the default
+On a CPU with AMX-BF16 (`native.amx_bf16()`), the native kernel runs bfloat16 products on AMX tiles
+(bfloat16 x bfloat16 -> float32 tile products; one row too: its weights stream faster through tile loads,
+a one-row decode step of the default model 16.3-16.7 -> 15.2-15.3 ms) and takes every 16-bit product
+of up to `AMX_MAX_ROWS` rows (`native16_max_rows`). Measured on an Intel Xeon with AMX (2 cores, kernel alone, the default
 model's shapes, against XLA's bf16 dot): 3.5-4.5x as fast at 4-15 rows, 1.2-2.6x at 16-128 (the
 [49152 x 576] LM head: 9-12x at 4-15 rows, 1.9x at 128), 0.6-1.2x at 256, slower beyond (XLA's dot
 reaches AMX through its own library there: ~1 TFLOP/s at 1024 rows, where the kernel makes 0.6-0.8).
@@ -63,7 +64,7 @@ from jpaged.device.attention import native
 QUANTIZATIONS = ("int8",)
 NATIVE_MAX_ROWS = 32  # rows up to which the native kernel beats XLA's dequantize-then-dot (module docstring)
 NATIVE16_MAX_ROWS = 3  # rows up to which the native 16-bit kernel beats XLA's bf16 dot in a model (module docstring)
-AMX_MAX_ROWS = 128  # the same where the native kernel runs on AMX tiles (from 4 rows)
+AMX_MAX_ROWS = 128  # the same where the native kernel runs on AMX tiles
 IN_AXES = {"embed": (1,), "lm_head": (0,), "wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": (0,),
            "w_up": (0,), "w_down": (0,)}  # the contracted logical axes of each dense leaf of params.py
 

@@ -19,8 +19,8 @@ without them; `get_backend('auto')` then falls back to the XLA path and logs one
 
 The same libraries hold the few-row weight matmuls (`csrc/int8_matmul.cc`: `int8_matmul_target`, and
 `weight16_matmul_target` for bfloat16 weights), which `jpaged.device.quant` calls for few-row products
-of int8 and bfloat16 parameters; on a CPU with AMX-BF16 the AVX-512 library runs bfloat16 products of
-4 rows or more on AMX tiles (`amx_bf16`).
+of int8 and bfloat16 parameters; on a CPU with AMX-BF16 the AVX-512 library runs bfloat16 products on
+AMX tiles (`amx_bf16`).
 
 The cache write and the copy-on-write copies stay XLA's (`xla_write_kv`, `xla_copy_blocks`):
 they are scatters XLA does in place.
@@ -119,7 +119,7 @@ def weight16_matmul_target(variant: str = "auto") -> str:
 
 @functools.cache
 def amx_bf16(variant: str = "auto") -> bool:
-    """Whether `variant`'s 16-bit weight matmul runs bfloat16 weights of 4 rows or more on AMX tiles: the
+    """Whether `variant`'s 16-bit weight matmul runs bfloat16 weights on AMX tiles: the
     AVX-512 library, on a CPU with AMX-BF16 whose OS grants this process the tile state. False where
     the native kernels cannot run."""
     variants = available_variants()
