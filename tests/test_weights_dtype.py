@@ -104,14 +104,14 @@ def test_bfloat16_rows_lm_head_accumulates_in_float32(default_model, tied):
         np.testing.assert_array_equal(np.asarray(logits), 2305.0)
 
 
-@pytest.mark.parametrize("k, n", [(64, 19), (50, 7), (33, 5), (96, 200)])
+@pytest.mark.parametrize("k, n", [(64, 19), (50, 7), (33, 5), (96, 200), (64, 8200)])
 def test_weight16_matmul_matches_float64(k, n):
     """The native 16-bit kernel in every variant built (bfloat16 as bits and as bfloat16, float16) and
     `quantized_matmul` of 16-bit rows (native for few rows, XLA's bf16 dot for more), against float64,
     at sizes that are not multiples of the vectors. bfloat16 weights take x rounded to bfloat16. Where
     the CPU has AMX-BF16 (`native.amx_bf16()`), K = 64 and 96 run on the tiles: 17 and 33
-    rows leave a B tile half empty, 300 rows span two row chunks, and 19 and 200 channels end in
-    channels past the last whole tile."""
+    rows leave a B tile half empty, 300 rows span two row chunks, 19, 200 and 8200 channels end in
+    channels past the last whole tile, and 8200 take the wide outputs' work items."""
     rng = np.random.default_rng(k * n)
     w = rng.standard_normal((n, k)).astype(jnp.bfloat16)
     for rows in (1, 2, 5, 9, 17, 33, 300):

@@ -55,7 +55,7 @@ def pool_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[i
 
 
 # Linux's madvise(2) advice numbers (asm-generic, the same on x86-64 and AArch64)
-_MADV_DONTNEED, _MADV_HUGEPAGE = 4, 14
+_MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 4, 14, 23
 HUGE_PAGE_BYTES = 2 << 20
 
 
@@ -70,10 +70,14 @@ def back_with_huge_pages(cache: KVCache) -> int:
     what this buys the native CPU kernel.
 
     How: for each CPU buffer, madvise MADV_HUGEPAGE over its 2 MiB-aligned interior, then
-    MADV_DONTNEED, which hands its zero-filled pages back. Each 2 MiB region then faults in as one
-    zeroed huge page at its first write, and reads before that see zeros. The values are unchanged
-    only because the pool is all zeros: call this on a freshly zeroed pool, never on one holding
-    blocks. It waits for the pool's buffers to be ready, so no computation is writing them.
+    MADV_DONTNEED, which hands its zero-filled pages back, then faults every 2 MiB region back in as
+    one zeroed huge page (MADV_POPULATE_WRITE, or a zero written into each region on kernels before
+    5.14). The values are unchanged only because the pool is all zeros: call this on a freshly zeroed
+    pool, never on one holding blocks. It waits for the pool's buffers to be ready, so no computation
+    is writing them. Faulting the pool in here rather than at its first writes keeps the kernel's
+    huge-page faults (zeroing, compaction) out of the steps: left to the steps, the KV write of a
+    128-row bfloat16 decode step took 5.5 ms instead of 10 us each time it reached a fresh region
+    (Intel Xeon, 2 cores).
     """
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"):
         return 0
@@ -89,6 +93,9 @@ def back_with_huge_pages(cache: KVCache) -> int:
         end = (address + buffer.nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
         if end > start and madvise(start, end - start, _MADV_HUGEPAGE) == 0:
             madvise(start, end - start, _MADV_DONTNEED)  # the pages hold zeros: nothing is lost
+            if madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+                for page in range(start, end, HUGE_PAGE_BYTES):
+                    ctypes.memset(page, 0, 1)
             advised += end - start
     return advised
 
