@@ -221,12 +221,12 @@ def compute_logits(params: LlamaParams, hidden, *, config: ModelConfig) -> jax.A
 
 def _lm_head(hidden, w):
     """hidden f[..., hidden] @ w [hidden, vocab] -> f32[..., vocab]; an int8 head is one `_matmul`, and so
-    is a 16-bit-rows head (`QuantizedWeight`) of one row (the native kernel: 1.5 ms for the default
-    model's), or of up to `native16_max_rows()` rows where the native kernel runs on AMX tiles (64 rows:
-    3.9 ms, XLA's dot 17 ms). Another 16-bit head on a CPU is a scan over `_LM_HEAD_CHUNK` vocabulary columns at a time:
-    XLA's CPU dot of one 16-bit row by the whole [576, 49152] head of the default model took 50-80 ms
-    (float32: 4-6 ms), in chunks 6 ms; a 16-bit-rows head of 2-32 rows (each chunk native up to
-    `native16_max_rows()` rows, else XLA's) 1.2-4x faster in chunks than in one call."""
+    is a 16-bit-rows head (`QuantizedWeight`) of the rows the native kernel takes, `native16_max_rows()`
+    (one row: 1.5 ms for the default model's; 64 rows on AMX tiles: 3-4 ms, XLA's dot 17 ms). Another
+    16-bit head on a CPU is a scan over `_LM_HEAD_CHUNK` vocabulary columns at a time: XLA's CPU dot of
+    one 16-bit row by the whole [576, 49152] head of the default model took 50-80 ms (float32: 4-6 ms),
+    in chunks 6 ms; a 16-bit-rows head of 4-32 rows (XLA's dot in each chunk) 1.2-4x faster in chunks
+    than in one call."""
     vocab, size = w.shape[-1], _LM_HEAD_CHUNK
     num_chunks = vocab // size
     rows16 = isinstance(w, QuantizedWeight) and w.is_16bit and w.values.ndim == 2

@@ -32,10 +32,10 @@ float32's 3.7 ms); more rows go by 4096-row chunks (`jpaged.device.model._lm_hea
 native kernel: hence `NATIVE16_MAX_ROWS` = 3.
 
 On a CPU with AMX-BF16 (`native.amx_bf16()`), the native kernel runs bfloat16 products on AMX tiles
-(bfloat16 x bfloat16 -> float32 tile products; one row too: its weights stream faster through tile loads,
-a one-row decode step of the default model 16.3-16.7 -> 15.2-15.3 ms) and takes every 16-bit product
-of up to `AMX_MAX_ROWS` rows (`native16_max_rows`). Measured on an Intel Xeon with AMX (2 cores, kernel alone, the default
-model's shapes, against XLA's bf16 dot): 3.5-4.5x as fast at 4-15 rows, 1.2-2.6x at 16-128 (the
+(bfloat16 x bfloat16 -> float32 tile products; one row too: its weights stream faster through tile
+loads, a one-row decode step of the default model 16.3-16.7 -> 15.2-15.3 ms) and takes every 16-bit
+product of up to `AMX_MAX_ROWS` rows (`native16_max_rows`). Measured on an Intel Xeon with AMX (2
+cores, kernel alone, the default model's shapes, against XLA's bf16 dot): 3.5-4.5x as fast at 4-15 rows, 1.2-2.6x at 16-128 (the
 [49152 x 576] LM head: 9-12x at 4-15 rows, 1.9x at 128), 0.6-1.2x at 256, slower beyond (XLA's dot
 reaches AMX through its own library there: ~1 TFLOP/s at 1024 rows, where the kernel makes 0.6-0.8).
 

@@ -86,14 +86,15 @@ def load(directory: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
     if not is_checkpoint(directory):
         raise ValueError(f"{directory}: not a jpaged checkpoint (no {MANIFEST})")
     config = read_config(directory)
+    undo = _quiet_orbax_leftovers()  # from before the restore: a failed read's leftovers start before it returns
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             saved = checkpointer.metadata(directory / "params")
             saved = getattr(saved, "item_metadata", saved)  # orbax versions differ here
             target = abstract_params(config, jax.tree.leaves(saved)[0].dtype)
             params = checkpointer.restore(directory / "params", target)
+        undo()  # every read completed: nothing is left to quiet
     except Exception as e:  # noqa: BLE001 - orbax's own errors: missing, truncated or mismatched arrays
-        _quiet_orbax_leftovers()
         raise ValueError(f"{directory / 'params'}: cannot restore the parameters ({_reason(e)}): the checkpoint is "
                          "damaged: convert the model again (jpaged convert)") from None
     try:
@@ -119,25 +120,32 @@ def _reason(error: BaseException) -> str:
     return text[:200] + ("..." if len(text) > 200 else "")
 
 
-_quieted = False
-
-
-def _quiet_orbax_leftovers() -> None:
+def _quiet_orbax_leftovers():
     """After a failed restore, orbax has closed its event loop while TensorStore still completes the
     other reads; each completion then fails in the background ('Event loop is closed', or the
-    read's own error), reported through `sys.unraisablehook` after our one-line error. Drops those
-    reports (and only those), from now on: they carry nothing the ValueError did not say."""
-    global _quieted
-    if _quieted:
-        return
-    _quieted = True
-    previous = sys.unraisablehook
+    read's own error), reported through `sys.unraisablehook`, or printed through `sys.excepthook`
+    when the completion's callback runs on one of TensorStore's threads, before and after our one-line
+    error. Drops those reports (and only those) until the returned function is called (after a restore
+    that succeeded; after a failed one they go on arriving): they carry nothing the ValueError did not
+    say."""
+    previous_unraisable, previous_except = sys.unraisablehook, sys.excepthook
 
-    def hook(unraisable) -> None:
-        value = unraisable.exc_value
-        if (isinstance(value, RuntimeError) and str(value) == "Event loop is closed") or (
-                str(value).startswith("Encountered error while reading array index")):
-            return
-        previous(unraisable)
+    def leftover(value) -> bool:
+        return (isinstance(value, RuntimeError) and str(value) == "Event loop is closed") or (
+            str(value).startswith("Encountered error while reading array index"))
 
-    sys.unraisablehook = hook
+    def unraisable_hook(unraisable) -> None:
+        if not leftover(unraisable.exc_value):
+            previous_unraisable(unraisable)
+
+    def except_hook(kind, value, traceback) -> None:
+        if not leftover(value):
+            previous_except(kind, value, traceback)
+
+    sys.unraisablehook, sys.excepthook = unraisable_hook, except_hook
+
+    def undo() -> None:
+        if sys.unraisablehook is unraisable_hook and sys.excepthook is except_hook:
+            sys.unraisablehook, sys.excepthook = previous_unraisable, previous_except
+
+    return undo

@@ -266,7 +266,8 @@ constexpr int64_t kAmxRowChunk = 256; // rows of x per work item (its packed row
 // each row of y is written 2 KB at a time, not 128 bytes to each row's page in turn. The default model's
 // LM head (alternating builds, kernel alone): 64 rows 4.8-6.1 -> 2.9-3.6 ms, 128 rows 8.0-10.0 -> 5.0-6.8.
 constexpr int64_t kAmxWideOutput = 8192, kAmxWideTile = 512;
-constexpr int64_t kAmxMinRows = 1;    // rows from which the tiles are used (one row: a decode step of the default model 16.3-16.7 -> 15.2-15.3 ms)
+// rows from which the tiles are used (one row too: the default model's decode step 16.3-16.7 -> 15.2-15.3 ms)
+constexpr int64_t kAmxMinRows = 1;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -300,7 +301,8 @@ __attribute__((target("avx512bf16"))) std::vector<uint16_t> PackRowsForAmx(const
     const float* row = x + m * K;
     uint16_t* column = packed.data() + (m / kAmxRows) * kb_count * kAmxRows * kAmxK + 2 * (m % kAmxRows);
     for (int64_t kb = 0; kb < kb_count; ++kb) {
-      const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + kb * kAmxK + 16), _mm512_loadu_ps(row + kb * kAmxK));
+      const float* inputs = row + kb * kAmxK;
+      const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(inputs + 16), _mm512_loadu_ps(inputs));
       _mm512_i32scatter_epi32(column + kb * kAmxRows * kAmxK, down, reinterpret_cast<__m512i>(pairs), 4);
     }
   }
@@ -426,7 +428,8 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (x_dims.size() != 2 || (rank != 2 && rank != 3) || s_dims.size() != rank)
     return ffi::Error::InvalidArgument("int8 matmul: x must be [M, K], values [(L,) N, K], scales [(L,) N, K / G]");
   const int64_t M = x_dims[0], K = x_dims[1], N = w_dims[rank - 2], groups = s_dims[rank - 1];
-  if (w_dims[rank - 1] != K || s_dims[rank - 2] != N || groups < 1 || K % groups != 0 || (rank == 3 && s_dims[0] != w_dims[0]))
+  if (w_dims[rank - 1] != K || s_dims[rank - 2] != N || groups < 1 || K % groups != 0 ||
+      (rank == 3 && s_dims[0] != w_dims[0]))
     return ffi::Error::InvalidArgument("int8 matmul: values must be [(L,) N, K] with x's K, and scales [(L,) N, K / G] "
                                        "with G dividing K");
   const auto type = scales.element_type();
