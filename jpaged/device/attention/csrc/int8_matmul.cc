@@ -266,14 +266,19 @@ constexpr int64_t kAmxRowChunk = 256; // rows of x per work item (its packed row
 // each row of y is written 2 KB at a time, not 128 bytes to each row's page in turn. The default model's
 // LM head (alternating builds, kernel alone): 64 rows 4.8-6.1 -> 2.9-3.6 ms, 128 rows 8.0-10.0 -> 5.0-6.8.
 constexpr int64_t kAmxWideOutput = 8192, kAmxWideTile = 512;
-// rows from which the tiles are used (one row too: the default model's decode step 16.3-16.7 -> 15.2-15.3 ms)
-constexpr int64_t kAmxMinRows = 1;
+// Every row count takes the tiles, one row too (the default model's decode step 16.3-16.7 -> 15.2-15.3 ms).
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+// Lanes i = 0..15 hold 16 i: element i of each row of a 16 x 16 tile of 32-bit values (a tile's column).
+inline __m512i TileColumn() {
+  return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                            _mm512_set1_epi32(kAmxRows));
+}
 
 // Whether this CPU has AMX-BF16 and the kernel let this process use its tiles (Linux asks each process
 // to request the tile state: ARCH_REQ_XCOMP_PERM). Asked once.
@@ -295,8 +300,7 @@ bool AmxReady() {
 __attribute__((target("avx512bf16"))) std::vector<uint16_t> PackRowsForAmx(const float* x, int64_t M, int64_t K) {
   const int64_t blocks = (M + kAmxRows - 1) / kAmxRows, kb_count = K / kAmxK;
   std::vector<uint16_t> packed(blocks * kAmxRows * K, 0);
-  const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(kAmxRows));  // pair r -> dword 16 r of the tile
+  const __m512i down = TileColumn();  // pair r -> dword 16 r of the tile
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * K;
     uint16_t* column = packed.data() + (m / kAmxRows) * kb_count * kAmxRows * kAmxK + 2 * (m % kAmxRows);
@@ -342,12 +346,11 @@ __attribute__((target("amx-tile,amx-bf16"))) void AmxBlock(const Problem& p, int
   if constexpr (NB == 2) _tile_stored(1, c[1], 64);
   if constexpr (NA == 2) _tile_stored(2, c[2], 64);
   if constexpr (NA == 2 && NB == 2) _tile_stored(3, c[3], 64);
+  const __m512i column = TileColumn();
   for (int a = 0; a < NA; ++a)
     for (int b = 0; b < NB; ++b) {
       const float(&t)[kAmxRows][kAmxRows] = c[a * 2 + b];
       const int64_t mb = m0 + b * kAmxRows, rows = std::min<int64_t>(kAmxRows, p.M - mb);
-      const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                _mm512_set1_epi32(kAmxRows));
       for (int64_t j = 0; j < rows; ++j)  // row j of y's block: column j of the tile
         _mm512_storeu_ps(p.y + (mb + j) * p.N + n0 + a * kAmxRows, _mm512_i32gather_ps(column, &t[0][j], 4));
     }
@@ -372,8 +375,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void AmxTile(const Problem& p, int6
 }
 #endif  // JPAGED_AMX
 
-// The work items, each rows [m0, m1) by channels [n0, n1) (a chunk of rows by kTile channels, the rows'
-// chunks outermost), claimed by the calling thread and XLA's intra-op threads; threads that start after
+// The work items, each rows [m0, m1) by channels [n0, n1) (a chunk of rows by tile_channels channels, the
+// rows' chunks outermost), claimed by the calling thread and XLA's intra-op threads; threads that start after
 // the last item was claimed return without touching the buffers (which live only until the handler returns).
 struct Work {
   Problem problem;
@@ -471,7 +474,7 @@ ffi::Error Weight16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::An
   work->row_chunk = M;
 #ifdef JPAGED_AMX
   std::vector<uint16_t> packed;
-  if (bf16 && M >= kAmxMinRows && K % kAmxK == 0 && AmxReady()) {
+  if (bf16 && K % kAmxK == 0 && AmxReady()) {
     packed = PackRowsForAmx(rounded.data(), M, K);
     work->problem.packed = packed.data();
     work->tile = AmxTile;
@@ -501,8 +504,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedWeight16Matmul, Weight16Matmul,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// Whether the 16-bit weight matmul of this library runs bfloat16 weights on AMX tiles for many rows (this
-// CPU has AMX-BF16, the OS granted the tile state, and the library is the AVX-512 build).
+// Whether the 16-bit weight matmul of this library runs bfloat16 weights on AMX tiles (this CPU has AMX-BF16, the OS granted the tile state, and the library is the AVX-512 build).
 extern "C" int JpagedAmxBf16() {
 #ifdef JPAGED_AMX
   return AmxReady();
