@@ -218,3 +218,18 @@ def test_bad_request_rejected_others_complete(default_model, prompts):
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in outs] == ["ok"] and len(outs[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_the_default_token_budget(default_model):
+    """On a CPU with chunked prefill, a step computes at most 4096 tokens by default (vLLM's CPU default);
+    without chunked prefill, a whole prompt of the context must fit one step."""
+    import jax
+
+    chunked = LLM(loaded=default_model, num_blocks=64)
+    whole = LLM(loaded=default_model, num_blocks=64, enable_chunked_prefill=False)
+    assert chunked.engine.max_model_len == whole.engine.max_model_len == 8192
+    expected = 4096 if jax.default_backend() == "cpu" else 8192
+    assert chunked.engine.scheduler.config.max_num_batched_tokens == expected
+    assert whole.engine.scheduler.config.max_num_batched_tokens == 8192
+    budget = LLM(loaded=default_model, num_blocks=64, max_num_batched_tokens=8192)
+    assert budget.engine.scheduler.config.max_num_batched_tokens == 8192

@@ -36,7 +36,8 @@ class EngineConfig:
       runs the Pallas kernels in the interpreter.
     max_model_len: the longest sequence (prompt + output), at most the model's context.
     max_num_seqs / max_num_batched_tokens: a step's sequence and token budgets (default tokens:
-      max(max_model_len, 2048)).
+      `default_batched_tokens`: max(max_model_len, 2048), or on a CPU with chunked prefill at most
+      4096, as vLLM's CPU build).
     enable_chunked_prefill: one ragged step under the token budget, decode tokens first, long
       prompts in chunks (True, as in vLLM v1), or the paper's prefill-first steps (False);
       long_prefill_token_threshold caps one prompt's tokens in a step (0: none). See
@@ -188,6 +189,18 @@ class EngineConfig:
     @property
     def jnp_dtype(self):
         return DTYPES[self.dtype]
+
+
+CPU_BATCHED_TOKENS = 4096  # vLLM's default token budget on a CPU (its offline `LLM`; 2048 for its server)
+
+
+def default_batched_tokens(max_model_len: int, enable_chunked_prefill: bool, *, on_cpu: bool) -> int:
+    """A step's token budget when `max_num_batched_tokens` is not given: max(max_model_len, 2048), so that
+    a whole prompt fits one step; on a CPU with chunked prefill (long prompts go in chunks), at most
+    `CPU_BATCHED_TOKENS`, as vLLM's CPU build. On an Intel Xeon with AMX (2 cores, bfloat16, the 120
+    vs_peers requests, alternating, two passes): 4096 tokens 935-971 tokens/s, 2048 891-963, 8192 817-912."""
+    budget = max(max_model_len, 2048)
+    return min(budget, CPU_BATCHED_TOKENS) if on_cpu and enable_chunked_prefill else budget
 
 
 def _check_memory_size(size) -> None:

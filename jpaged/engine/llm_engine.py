@@ -51,7 +51,7 @@ from jpaged.device.kv_cache import bytes_per_block, check_pool_fits, num_blocks_
 from jpaged.device.params import LlamaParams, cast_params, check_params, num_params, to_storage
 from jpaged.device.quant import bfloat16_row_params, quantize_params
 from jpaged.device.runner import ModelRunner, SampleRow, WarmUp
-from jpaged.engine.config import EngineConfig
+from jpaged.engine.config import EngineConfig, default_batched_tokens
 from jpaged.engine.draft import SelfDraftProposer
 from jpaged.engine.observer import StepObserver, StepRecord
 from jpaged.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -179,7 +179,8 @@ class LLMEngine:
                                          enable_prefix_caching=config.enable_prefix_caching,
                                          max_model_len=self.max_model_len,
                                          sliding_window=model_config.kv_window)
-        scheduler_config = config.scheduler_config(max(self.max_model_len, 2048))
+        scheduler_config = config.scheduler_config(default_batched_tokens(self.max_model_len, config.enable_chunked_prefill,
+                                                                          on_cpu=jax.default_backend() == "cpu"))
         factory = kv_cache_manager or BlockManager.from_spec
         if parts > 1:
             factory = functools.partial(PartitionedBlockManager.from_spec, num_partitions=parts)

@@ -149,7 +149,7 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once, at most")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="tokens a step computes, at most: decode tokens first, then prompt chunks (default: "
-                        "max(context, 2048))")
+                        "max(context, 2048); on a CPU with chunked prefill at most 4096)")
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="one ragged step under the token budget, long prompts in chunks, mixed with decode "
                         "(default); --no-enable-chunked-prefill: the paper's separate prefill and decode steps")
