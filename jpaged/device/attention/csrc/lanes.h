@@ -29,7 +29,9 @@ typedef _Float16 VHF __attribute__((vector_size(2 * kLanes)));
 
 constexpr auto kLaneSeq = std::make_integer_sequence<int, kLanes>{};
 
-inline VF Splat(float x) { return VF{} + x; }
+// x in every lane. x - 0 (not 0 + x, which is not x for x = -0): the compiler folds it to a bare broadcast,
+// where 0 + x cost an add before each broadcast in the kernels' inner loops.
+inline VF Splat(float x) { return x - VF{}; }
 
 // x with lane i taken from lane i ^ S (S a power of two below kLanes): a butterfly of the lane tree.
 template <int S, int... P>
