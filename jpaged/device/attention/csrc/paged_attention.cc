@@ -394,6 +394,18 @@ inline int TokenOffsets(const Problem& p, const int32_t* table, int64_t start, i
   return n;
 }
 
+// The vector path's outputs: rows * H query heads' unnormalised sums acc (`vectors` of them, D / kLanes
+// per head) divided by their softmax sums l (a head that saw no key: zeros), from q's token first_row on.
+inline void WriteOutputs(const Problem& p, int64_t first_row, int64_t vectors, const VF* acc, const float* l) {
+  const int64_t C = p.D / kLanes;
+  float* dst = p.out + first_row * p.H * p.D;
+  for (int64_t e = 0; e < vectors; ++e) {
+    const float inv = l[e / C] > 0.0f ? 1.0f / l[e / C] : 0.0f;
+    const VF x = acc[e] * inv;
+    std::memcpy(dst + e * kLanes, &x, sizeof x);
+  }
+}
+
 // The kLanes x kLanes transpose of v[0 .. kLanes - 1] in place (v[r][e] becomes the old v[e][r]): at each
 // level S (kLanes / 2 .. 1), the rows r and r + S swap their off-diagonal blocks of S lanes, one two-source
 // shuffle per row.
@@ -509,14 +521,7 @@ bool RunPromptChunk(const Problem& p, const WorkItem& item) {
       }
     }
   }
-  float* dst = p.out + first_row * H * D;
-  for (int64_t j = 0; j < Q * H; ++j) {
-    const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
-    for (int c = 0; c < C; ++c) {
-      VF x = acc[j * C + c] * inv;
-      std::memcpy(dst + j * D + kLanes * c, &x, sizeof x);
-    }
-  }
+  WriteOutputs(p, first_row, Q * H * C, acc.data(), l.data());
   return true;
 }
 
@@ -661,14 +666,7 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
       }
     }
   }
-  float* dst = p.out + first_row * H * D;
-  for (int64_t j = 0; j < Q * H; ++j) {
-    const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
-    for (int c = 0; c < C; ++c) {
-      VF x = acc[j * C + c] * inv;
-      std::memcpy(dst + j * D + kLanes * c, &x, sizeof x);
-    }
-  }
+  WriteOutputs(p, first_row, Q * H * C, acc.data(), l.data());
   return true;
 }
 
