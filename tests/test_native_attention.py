@@ -180,6 +180,39 @@ def test_window_and_softcap_match_float64_reference(dtype, head_dim):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype,head_dim", [(jnp.float32, 64), (jnp.bfloat16, 64), (jnp.float16, 128),
+                                            (jnp.float32, 24)])
+def test_a_tokens_output_does_not_depend_on_how_its_prompt_was_chunked(dtype, head_dim):
+    """Batch invariance, bit for bit: a prompt's token attends to the same keys whether it is decoded
+    alone (a chunk of one), or sits anywhere in a prefill chunk of any length (the kernel's query
+    chunks of 16 and its groups of tokens split differently); the engine's outputs then do not
+    depend on the step's budget, on preemption by recompute, or on the other requests in the step."""
+    rng = np.random.default_rng(20 + head_dim)
+    prompt = 45
+    q, pool, tables, _, _, _ = make_problem(head_dim, dtype, rng, [(0, prompt)])
+    q *= 3
+    scale = head_dim ** -0.5
+    for softcap in (None, 2.0):
+        outputs = []
+        for pieces in ([1] * prompt, [prompt], [3, 17, 1, 24], [16, 16, 13], [2, 5, 7, 31], [44, 1]):
+            ends = np.cumsum(pieces).astype(np.int32)
+            q_len = np.array(pieces, np.int32)
+            rows = np.repeat(tables, len(pieces), axis=0)
+            for variant in VARIANTS:
+                got = np.asarray(native.native_attend(q, pool, 1, rows, ends, ends - q_len, q_len, scale,
+                                                      softcap=softcap, variant=variant))[:prompt]
+                outputs.append((pieces, variant, got))
+        for variant in VARIANTS:
+            alone = next(got for pieces, v, got in outputs if v == variant)
+            for pieces, v, got in outputs:
+                if v == variant:
+                    np.testing.assert_array_equal(got, alone, err_msg=f"{variant} chunks {pieces} softcap {softcap}")
+        want = reference(q, pool, 1, tables, np.array([prompt], np.int32), np.array([0], np.int32),
+                         np.array([prompt], np.int32), scale, None, softcap)[:prompt]
+        np.testing.assert_allclose(alone, want, rtol=2e-5, atol=2e-5)
+
+
+@needs_native
 def test_traced_per_layer_window_under_jit_and_scan():
     """As in a model with windowed and global layers: the window scanned over layers with the layer
     index (1 << 30 for the global one), traced, under jit; the block tables keep every block."""

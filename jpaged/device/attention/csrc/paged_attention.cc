@@ -7,8 +7,10 @@
 // head) or with one KV head (the generic path, any shape). The calling thread and XLA's intra-op
 // threads take items from a shared list, longest first. On the vector path a decode token's item
 // scores each key by summing its products across lanes (RunRowChunk); a prompt chunk's item scores a
-// tile of keys for several tokens at once as a small matrix product (RunPromptChunk): on the 120
-// vs_peers prompts (10,532 tokens, bfloat16 pool, Intel Xeon, 2 cores) 33-37 -> 20-25 ms a layer.
+// tile of keys for several tokens at once as a small matrix product (RunPromptChunk), with the same sums
+// in the same order, so that a token's output is the same bit for bit in any chunk (batch invariance):
+// on the 120 vs_peers prompts (10,532 tokens, bfloat16 pool, Intel Xeon, 2 cores) 33-37 -> 28-29 ms a
+// layer (20-25 with the sums in another order, which changed a beam search's tokens under preemption).
 //
 // Built three times by setup.py (AVX-512, AVX2 + FMA + F16C, portable), each a shared library that
 // exports the handler `JpagedPagedAttention`; jpaged/device/attention/native.py picks the variant
@@ -394,6 +396,43 @@ inline int TokenOffsets(const Problem& p, const int32_t* table, int64_t start, i
   return n;
 }
 
+// The online softmax's step over one tile for one query token's H heads, shared by both kernels of the
+// vector path (so that a token's output is the same bit for bit whichever of them ran it): s[j], head j's
+// scores of the tile's keys, is soft-capped, masked to the lanes [first, visible) and becomes the head's
+// probabilities (exp(s - m_new)); m[j] and l[j], its running maximum and sum, are updated; alpha[j] is
+// exp(m_old - m_new), the factor for its running output (0 before its first key), kLanes heads per
+// vector exp.
+inline void SoftmaxTile(const Problem& p, int first, int visible, int64_t H, VF* s, float* m, float* l, float* alpha) {
+  const bool partial = first > 0 || visible < kTile;
+  const VI in_view = (kLaneIds >= first) & (kLaneIds < visible);
+  for (int64_t j = 0; j < H; ++j) {
+    if (p.softcap > 0.0f) s[j] = SoftCap(s[j], p.softcap, p.inv_softcap);
+    if (partial) s[j] = in_view ? s[j] : Splat(kNegInf);
+    alpha[j] = std::max(m[j], MaxLanes(s[j]));  // m_new, until the loop below
+  }
+  for (int64_t j0 = 0; j0 < H; j0 += kLanes) {
+    const int64_t heads = std::min<int64_t>(kLanes, H - j0);
+    VF diff{};
+    VI fresh{};
+    for (int64_t j = 0; j < heads; ++j) {
+      const float m_old = m[j0 + j], m_new = alpha[j0 + j];
+      fresh[j] = m_old == kNegInf;
+      diff[j] = m_old == kNegInf ? 0.0f : m_old - m_new;
+    }
+    const VF a = fresh != 0 ? VF{} : ExpNonPositive(diff);
+    for (int64_t j = 0; j < heads; ++j) {
+      m[j0 + j] = alpha[j0 + j];
+      alpha[j0 + j] = a[j];
+    }
+  }
+  for (int64_t j = 0; j < H; ++j) {
+    VF pr = ExpNonPositive(s[j] - m[j]);
+    if (partial) pr = in_view ? pr : VF{};
+    l[j] = l[j] * alpha[j] + AddLanes(pr);
+    s[j] = pr;
+  }
+}
+
 // The vector path's outputs: rows * H query heads' unnormalised sums acc (`vectors` of them, D / kLanes
 // per head) divided by their softmax sums l (a head that saw no key: zeros), from q's token first_row on.
 inline void WriteOutputs(const Problem& p, int64_t first_row, int64_t vectors, const VF* acc, const float* l) {
@@ -429,19 +468,42 @@ inline void TransposeLevel(VF* v) {
 }
 inline void TransposeLanes(VF* v) { TransposeLevel<kLanes / 2>(v); }
 
+// The scores of N (query token, query head) pairs against one tile of keys, from the tile's K rows
+// transposed (kt[d]: dimension d of the tile's keys, one vector; q[n]: pair n's scaled query), summed as
+// RunRowChunk sums them, bit for bit: there key t's score is its lanes' sum by a halving tree (lane L
+// plus lane L + kLanes / 2, ...) of the lane-wise products q[c * kLanes + L] * k[c * kLanes + L] summed
+// over c from + 0 (one product per add, so that the compiler fuses every one into a multiply-add in both:
+// starting from the first product would leave it free to fuse either of the first two). Here lane L's sums
+// over c are whole vectors (one lane per key) and the tree adds them as such: the lanes L0, L0 + S,
+// L0 + 2S, ... into out, the evens then the odds of that set (TreeScores<C, N, 0, 1>: every lane).
+template <int C, int N, int L0, int S>
+inline void TreeScores(const VF* kt, const float* const* q, VF* out) {
+  if constexpr (S == kLanes) {  // one lane, L0
+    for (int n = 0; n < N; ++n) out[n] = VF{};
+    for (int c = 0; c < C; ++c)  // a scalar times a vector: a broadcast
+      for (int n = 0; n < N; ++n) out[n] += q[n][c * kLanes + L0] * kt[c * kLanes + L0];
+  } else {
+    VF odd[N];
+    TreeScores<C, N, L0, 2 * S>(kt, q, out);
+    TreeScores<C, N, L0 + S, 2 * S>(kt, q, odd);
+    for (int n = 0; n < N; ++n) out[n] += odd[n];
+  }
+}
+
 // One work item of the vector path with several query tokens (a prompt's chunk, up to kQueryChunk tokens),
 // every KV head, a tile of kTile keys at a time as a small matrix product: the tile's K rows are widened
-// and transposed once per KV head (kt[d]: dimension d of the tile's keys, one vector), so a query head's
-// kTile scores are D multiply-adds of a broadcast query element into one vector, several query tokens' G heads
-// at a time (up to 16 accumulators per loaded kt[d]), with no sum across lanes; the tile's V rows are widened
-// once per KV head, and each query token's G heads take them key by key. RunRowChunk's one-token loop,
-// run per token, reloads the tile's K rows for every token and sums each key's products across lanes.
-// Same masks, windows, soft-capping and online softmax (float32 throughout; only the order of the sums
-// differs). Returns false on a block outside the pool.
+// and transposed once per KV head, so that the scores are vector multiply-adds of a broadcast query element
+// (TreeScores, several query tokens' G heads per loaded vector of keys), with no sum across lanes; the tile's
+// V rows are widened once per KV head, and each query token's G heads take them key by key. RunRowChunk's
+// one-token loop, run per token, reloads the tile's K rows for every token. The same arithmetic, in the same
+// order, as RunRowChunk's (TreeScores, SoftmaxTile, the outputs' multiply-adds): a token's output does not
+// depend on the chunk it was computed in, nor on whether it was decoded alone (batch invariance: a request's
+// tokens do not depend on the step's budget, on preemption by recompute, or on the other requests).
+// Returns false on a block outside the pool.
 template <PoolType T, int D, int G>
 bool RunPromptChunk(const Problem& p, const WorkItem& item) {
   constexpr int C = D / kLanes;  // vectors per head's row
-  constexpr int kTokens = G >= 6 ? 2 : G >= 3 ? 4 : 8;  // query tokens whose scores share a loaded kt[d]
+  constexpr int kTokens = G >= 6 ? 2 : 4;  // query tokens whose scores share a loaded kt[d]
   const int64_t H = p.H, KVH = p.KVH, Q = item.chunk_len;
   const int32_t* table = p.tables + static_cast<int64_t>(item.row) * p.M;
   const int64_t first_row = p.q_start[item.row] + item.chunk_start;  // the chunk's first token in q
@@ -462,7 +524,7 @@ bool RunPromptChunk(const Problem& p, const WorkItem& item) {
       visible[i] = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(n, first_pos + i + 1 - tile)));
       first[i] = FirstVisible(p, first_pos + i, tile);
     }
-    // scores, KV head by KV head: kt from the tile's K rows (keys past n: zeros), then two tokens at a time
+    // scores, KV head by KV head: kt from the tile's K rows (keys past n: zeros), then kTokens tokens at a time
     for (int64_t h = 0; h < KVH; ++h) {
       for (int c = 0; c < C; ++c) {
         VF* block = &kt[c * kLanes];
@@ -470,37 +532,18 @@ bool RunPromptChunk(const Problem& p, const WorkItem& item) {
         TransposeLanes(block);
       }
       for (int64_t i0 = 0; i0 < Q; i0 += kTokens) {
-        const float* qt[kTokens];  // past the chunk's last token: that token again, computed, not stored
-        for (int u = 0; u < kTokens; ++u) qt[u] = &qs[(std::min<int64_t>(i0 + u, Q - 1) * H + h * G) * D];
-        VF s[kTokens][G] = {};
-        for (int d = 0; d < D; ++d) {
-          const VF k = kt[d];
-          for (int u = 0; u < kTokens; ++u)
-            for (int g = 0; g < G; ++g) s[u][g] += qt[u][g * D + d] * k;  // a scalar times a vector: a broadcast, not Splat's 0 + x
-        }
+        const float* qt[kTokens * G];  // past the chunk's last token: that token again, computed, not stored
+        for (int u = 0; u < kTokens; ++u)
+          for (int g = 0; g < G; ++g) qt[u * G + g] = &qs[(std::min<int64_t>(i0 + u, Q - 1) * H + h * G + g) * D];
+        VF s[kTokens * G];
+        TreeScores<C, kTokens * G, 0, 1>(kt.data(), qt, s);
         for (int u = 0; u < kTokens && i0 + u < Q; ++u)
-          for (int g = 0; g < G; ++g) scores[(i0 + u) * H + h * G + g] = s[u][g];
+          for (int g = 0; g < G; ++g) scores[(i0 + u) * H + h * G + g] = s[u * G + g];
       }
     }
-    // the online softmax of every (token, query head) that sees a key of this tile
-    for (int64_t i = 0; i < Q; ++i) {
-      if (visible[i] <= first[i]) continue;
-      const bool partial = first[i] > 0 || visible[i] < kTile;
-      const VI in_view = (kLaneIds >= first[i]) & (kLaneIds < visible[i]);
-      for (int64_t j = 0; j < H; ++j) {
-        VF s = scores[i * H + j];
-        if (p.softcap > 0.0f) s = SoftCap(s, p.softcap, p.inv_softcap);
-        if (partial) s = in_view ? s : Splat(kNegInf);
-        const float m_old = m[i * H + j], m_new = std::max(m_old, MaxLanes(s));
-        const float a = m_old == kNegInf ? 0.0f : ExpNonPositive(m_old - m_new);
-        VF pr = ExpNonPositive(s - m_new);
-        if (partial) pr = in_view ? pr : VF{};
-        l[i * H + j] = l[i * H + j] * a + AddLanes(pr);
-        m[i * H + j] = m_new;
-        alpha[i * H + j] = a;
-        scores[i * H + j] = pr;  // now the probabilities
-      }
-    }
+    // the online softmax of every query token that sees a key of this tile: scores become probabilities
+    for (int64_t i = 0; i < Q; ++i)
+      if (visible[i] > first[i]) SoftmaxTile(p, first[i], visible[i], H, &scores[i * H], &m[i * H], &l[i * H], &alpha[i * H]);
     // outputs, KV head by KV head: the tile's V rows widened once, then each token's G heads key by key
     for (int64_t h = 0; h < KVH; ++h) {
       for (int t = 0; t < n; ++t)
@@ -513,7 +556,7 @@ bool RunPromptChunk(const Problem& p, const WorkItem& item) {
           for (int c = 0; c < C; ++c) a[g][c] = acc[(base + g) * C + c] * alpha[base + g];
         for (int t = first[i]; t < visible[i]; ++t)
           for (int g = 0; g < G; ++g) {
-            const float pt = scores[base + g][t];
+            const VF pt = Splat(scores[base + g][t]);
             for (int c = 0; c < C; ++c) a[g][c] += pt * vs[t * C + c];
           }
         for (int g = 0; g < G; ++g)
@@ -568,8 +611,8 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
   }
   int64_t offsets[kTile];  // of each key's token (head 0) in the pool
   std::vector<VF> partial(H * kTile / 4);  // [query head][keys 4i .. 4i + 3]: SumLanes4Keys of their products
-  std::vector<float> probs(H * kTile), alpha(H), m_new(H);
-  std::vector<VF> tile_scores(H);
+  std::vector<float> alpha(H);
+  std::vector<VF> tile_scores(H);  // a query token's scores of the tile, then its probabilities
   for (int64_t tile = first_key; tile < keys; tile += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, keys - tile));
     if (TokenOffsets(p, table, tile, n, offsets) < n) return false;
@@ -605,8 +648,8 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
               VF k[C];
               for (int c = 0; c < C; ++c) k[c] = LoadLanes<T>(p.k, offsets[t] + h * D + kLanes * c);
               for (int g = 0; g < G; ++g) {
-                s[g][u] = qh[g][0] * k[0];
-                for (int c = 1; c < C; ++c) s[g][u] += qh[g][c] * k[c];
+                s[g][u] = VF{};  // + 0, not the first product: one product per add, fused as in TreeScores
+                for (int c = 0; c < C; ++c) s[g][u] += qh[g][c] * k[c];
               }
             } else {
               for (int g = 0; g < G; ++g) s[g][u] = VF{};
@@ -615,35 +658,9 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
           for (int g = 0; g < G; ++g) partial[(h * G + g) * (kTile / 4) + t0 / 4] = SumLanes4Keys(s[g]);
         }
       }
-      // the online softmax of every query head: each head's scores and new running maximum, then
-      // the rescale factors exp(m_old - m_new) of kLanes heads per vector exp (0 before the first key),
-      // then the probabilities
-      for (int64_t j = 0; j < H; ++j) {
-        VF scores = SumLanesTile(&partial[j * (kTile / 4)]);
-        if (p.softcap > 0.0f) scores = SoftCap(scores, p.softcap, p.inv_softcap);
-        if (first > 0 || visible < kTile) scores = (kLaneIds >= first) & (kLaneIds < visible) ? scores : Splat(kNegInf);
-        tile_scores[j] = scores;
-        m_new[j] = std::max(m[i * H + j], MaxLanes(scores));
-      }
-      for (int64_t j0 = 0; j0 < H; j0 += kLanes) {
-        const int64_t heads = std::min<int64_t>(kLanes, H - j0);
-        VF diff{};
-        VI fresh{};
-        for (int64_t j = 0; j < heads; ++j) {
-          const float m_old = m[i * H + j0 + j];
-          fresh[j] = m_old == kNegInf;
-          diff[j] = m_old == kNegInf ? 0.0f : m_old - m_new[j0 + j];
-        }
-        const VF a = fresh != 0 ? VF{} : ExpNonPositive(diff);
-        for (int64_t j = 0; j < heads; ++j) alpha[j0 + j] = a[j];
-      }
-      for (int64_t j = 0; j < H; ++j) {
-        VF pr = ExpNonPositive(tile_scores[j] - m_new[j]);
-        if (first > 0 || visible < kTile) pr = (kLaneIds >= first) & (kLaneIds < visible) ? pr : VF{};
-        l[i * H + j] = l[i * H + j] * alpha[j] + AddLanes(pr);
-        m[i * H + j] = m_new[j];
-        std::memcpy(&probs[j * kTile], &pr, sizeof pr);
-      }
+      // the online softmax of every query head: scores become probabilities
+      for (int64_t j = 0; j < H; ++j) tile_scores[j] = SumLanesTile(&partial[j * (kTile / 4)]);
+      SoftmaxTile(p, first, visible, H, tile_scores.data(), &m[i * H], &l[i * H], alpha.data());
       // outputs: KV head by KV head; the V rows of the tile ahead are prefetched as the K rows were
       for (int64_t h = 0; h < KVH; ++h) {
         const int64_t base = i * H + h * G;
@@ -655,7 +672,7 @@ bool RunRowChunk(const Problem& p, const WorkItem& item, const WorkItem* next) {
           VF v[C];
           for (int c = 0; c < C; ++c) v[c] = LoadLanes<T>(p.v, offsets[t] + h * D + kLanes * c);
           for (int g = 0; g < G; ++g) {
-            const VF pt = Splat(probs[(h * G + g) * kTile + t]);
+            const VF pt = Splat(tile_scores[h * G + g][t]);
             for (int c = 0; c < C; ++c) a[g][c] += pt * v[c];
           }
         }
@@ -754,7 +771,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (pool_dims[5] != D || KVH <= 0 || H % KVH != 0)
     return ffi::Error::InvalidArgument("paged attention: head_dim differs between q and the pools, or the "
                                        "query heads are not a multiple of the KV heads");
-  if (context.element_count() != B || q_start.element_count() != B || q_len.element_count() != B)
+  const size_t rows = static_cast<size_t>(B);
+  if (context.element_count() != rows || q_start.element_count() != rows || q_len.element_count() != rows)
     return ffi::Error::InvalidArgument("paged attention: context, q_start and q_len need one entry per row");
   PoolType type;
   switch (kv_pool.element_type()) {
