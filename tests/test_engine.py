@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 
+import jax
 import pytest
 
 from jpaged import LLM, SamplingParams
@@ -223,8 +224,6 @@ def test_bad_request_rejected_others_complete(default_model, prompts):
 def test_the_default_token_budget(default_model):
     """On a CPU with chunked prefill, a step computes at most 4096 tokens by default (vLLM's CPU default);
     without chunked prefill, a whole prompt of the context must fit one step."""
-    import jax
-
     chunked = LLM(loaded=default_model, num_blocks=64)
     whole = LLM(loaded=default_model, num_blocks=64, enable_chunked_prefill=False)
     assert chunked.engine.max_model_len == whole.engine.max_model_len == 8192
