@@ -309,14 +309,18 @@ def _serve_lockstep(args, server_config) -> int:
     config = engine_config(args)  # checked against the global devices: alike on every process
     failing: dict = {}  # process 0: the server's `fail`, once it is built
 
+    def say(line: str) -> None:  # one write: print's text and newline are two, and on an unbuffered stderr
+        sys.stderr.write(line + "\n")  # JAX's own fatal log line (its coordination service) landed between
+        sys.stderr.flush()
+
     def lost(message: str) -> None:  # from the link's thread, whatever the main thread is stuck in
         if first:
-            print(f"error: {message}: the engine runs on every process, so process 0 stops serving too (the "
-                  "requests in flight get an error)", file=sys.stderr, flush=True)
+            say(f"error: {message}: the engine runs on every process, so process 0 stops serving too (the "
+                "requests in flight get an error)")
             if "fail" in failing and failing["fail"](message):
                 time.sleep(1)  # the handlers send their errors
         else:
-            print(f"error: {message}: process {me} stops too", file=sys.stderr, flush=True)
+            say(f"error: {message}: process {me} stops too")
         sys.stdout.flush()
         os._exit(1)  # a collective under way never returns, nor would jax.distributed's shutdown
 
