@@ -139,6 +139,9 @@ def read_timers(read, pool, tables, lens) -> tuple[dict, int]:
 
 
 def context_lengths(rows: int, context, rng) -> np.ndarray:
+    """Each row's context: `context` tokens, random 16-1,024 ("mixed"), or a sequence of `rows` lengths."""
+    if not isinstance(context, (int, str)):
+        return np.asarray(context)
     if context == "mixed":
         return rng.integers(16, 1025, rows)
     return np.full(rows, context)

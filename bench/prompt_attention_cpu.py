@@ -2,8 +2,8 @@
 
 The prompts of `vs_peers.py` (the 120 Alpaca instructions as chats, the default model's template;
 10,532 tokens, 37-1,350 each), each a row prefilled whole, attend over their own blocks, scattered at
-random in a pool of one layer laid out as jpaged's (3 KV heads x 64, 9 query heads, blocks of 16):
-one layer's attention of one prefill step, as `native.native_attend` runs it inside the model. Every
+random in a pool laid out and built as jpaged's (`attention_cpu.make_case`: 30 layers of 3 KV heads x 64,
+9 query heads, blocks of 16, on huge pages): layer 0's attention of one prefill step, as `native.native_attend` runs it inside the model. Every
 native build this machine runs (`--variants`: AVX-512, AVX2, portable) is timed side by side, the builds
 alternating run by run, median and min of `--reps`; each build's output is checked against the first's.
 A chunk's scores are summed in the decode path's order (see `csrc/paged_attention.cc`), so this is
@@ -24,39 +24,22 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `jpaged` impo
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench.traces import load_alpaca_prompts  # noqa: E402
-
-KV_HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 16
-
-
-def prompt_lengths(num: int) -> np.ndarray:
-    """Token counts of the first `num` vs_peers prompts under the default model's chat template."""
-    from jpaged import LLM
-
-    llm = LLM(num_blocks=8)
-    return np.array([len(llm.chat_prompt([{"role": "user", "content": p}])["prompt_token_ids"])
-                     for p in load_alpaca_prompts()[:num]], np.int32)
+from bench.attention_cpu import HEAD_DIM, HEADS, KV_HEADS, make_case  # noqa: E402
+from bench.vs_peers import load_requests  # noqa: E402
 
 
-def operands(lengths: np.ndarray, dtype, rng):
-    """q, a one-layer pool (bfloat16 as its bits, as jpaged stores it), the block tables, and each row's
-    context, q_start and q_len: every row a whole prompt."""
-    import jax
+def operands(lengths: np.ndarray, dtype: str, rng):
+    """q, the pool (built as `attention_cpu.make_case` builds it, as the engine does), the block tables, and
+    each row's context, q_start and q_len: every row a whole prompt."""
     import jax.numpy as jnp
 
-    from jpaged.device.attention.xla import storage_dtype
-
-    blocks = [-(-int(n) // BLOCK) for n in lengths]
-    pool = jnp.asarray(rng.standard_normal((1, sum(blocks) + 1, 2, BLOCK, KV_HEADS, HEAD_DIM)), dtype)
-    if storage_dtype(dtype) != pool.dtype:
-        pool = jax.lax.bitcast_convert_type(pool, storage_dtype(dtype))
-    free = list(rng.permutation(np.arange(1, sum(blocks) + 1)))
-    tables = np.zeros((len(lengths), max(blocks)), np.int32)
-    for row, count in enumerate(blocks):
-        tables[row, :count] = [free.pop() for _ in range(count)]
+    pool, tables, _ = make_case(len(lengths), lengths, dtype, rng)
+    table = np.zeros((len(tables), max(map(len, tables))), np.int32)
+    for row, blocks in enumerate(tables):
+        table[row, :len(blocks)] = blocks
     q_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int32)
-    q = jnp.asarray(rng.standard_normal((int(lengths.sum()), KV_HEADS * GROUP, HEAD_DIM)), jnp.float32)
-    return q, pool, tables, lengths, q_start, lengths
+    q = jnp.asarray(rng.standard_normal((int(lengths.sum()), HEADS, HEAD_DIM)), jnp.float32)
+    return q, pool, table, lengths, q_start, lengths
 
 
 def time_variants(variants, args, reps: int) -> dict:
@@ -119,23 +102,21 @@ def main() -> None:
     parser.add_argument("--variants", default="", help="native builds, comma-separated (default: every one built "
                         "that this CPU runs, the best first)")
     args = parser.parse_args()
-    import jax.numpy as jnp
-
     from jpaged.device.attention import native
 
     start = time.perf_counter()
     variants = args.variants.split(",") if args.variants else native.available_variants()
     if not variants:
         sys.exit("prompt_attention_cpu: no native build of the attention kernel (pip install -e . builds them)")
-    lengths = prompt_lengths(32 if args.quick else 120)
+    lengths = np.array([len(ids) for ids in load_requests()[1][:32 if args.quick else 120]], np.int32)
     rng = np.random.default_rng(args.seed)
     reps = 5 if args.quick else args.reps
     out = {"benchmark": "prompt_attention_cpu", "quick": args.quick, "machine": common.machine_info(),
            "num_prompts": len(lengths), "prompt_tokens": int(lengths.sum()), "prompt_lengths": lengths,
-           "shape": {"kv_heads": KV_HEADS, "query_heads": KV_HEADS * GROUP, "head_dim": HEAD_DIM, "block": BLOCK},
+           "shape": {"kv_heads": KV_HEADS, "query_heads": HEADS, "head_dim": HEAD_DIM, "block": 16},
            "reps": reps, "variants": variants, "results": {}}
     for name in args.dtypes.split(","):
-        out["results"][name] = time_variants(variants, operands(lengths, getattr(jnp, name), rng), reps)
+        out["results"][name] = time_variants(variants, operands(lengths, name, rng), reps)
     common.report(out, args.out, common.results_stem("prompt_attention_cpu", args.quick), start, plot, print_table)
 
 
