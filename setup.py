@@ -61,7 +61,7 @@ def variant(name, flags):
     return Extension(f"jpaged.device.attention._native_{name}", sources=SOURCES, language="c++",
                      extra_compile_args=COMMON + ["-isystem", HEADERS, f'-DJPAGED_VARIANT="{name}"'] + flags,
                      depends=[f"{HEADERS}/xla/ffi/api/{h}" for h in ("api.h", "c_api.h", "ffi.h")]
-                     + ["jpaged/device/attention/csrc/lanes.h"])
+                     + [f"jpaged/device/attention/csrc/{h}" for h in ("lanes.h", "work_list.h")])
 
 
 setup(ext_modules=[variant(name, flags) for name, flags in VARIANTS.items() if X86 or not flags],

@@ -62,6 +62,7 @@
 #endif
 
 #include "lanes.h"
+#include "work_list.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -70,12 +71,6 @@ namespace {
 
 constexpr int kMaxRows = 8;   // rows of x per pass over a tile's weights
 constexpr int64_t kTile = 32; // output channels per work item
-
-inline void Pause() {  // a spin-wait's hint to the core
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
 
 struct Bf16 {  // a bfloat16 weight, as its bit pattern
   uint16_t bits;
@@ -455,8 +450,7 @@ ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->items) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
   work->Drain();
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->finished.wait(lock, [&] { return work->done.load() == work->items; });
+  AwaitItems(work->done, work->items, work->mu, work->finished);
   return ffi::Error::Success();
 }
 

@@ -57,6 +57,7 @@
 #include <vector>
 
 #include "lanes.h"
+#include "work_list.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -829,10 +830,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
   work->Drain();
-  {
-    std::unique_lock<std::mutex> lock(work->mu);
-    work->finished.wait(lock, [&] { return work->done.load() == total; });
-  }
+  AwaitItems(work->done, total, work->mu, work->finished);
   if (work->bad_block)
     return ffi::Error::InvalidArgument("paged attention: a block table names a block outside the pool");
   return ffi::Error::Success();
