@@ -3,7 +3,7 @@
 `dtype="bfloat16"` / `"float16"` stores the parameters in 16 bits (on a CPU a bfloat16 leaf is held as
 its uint16 bit patterns: `jpaged.device.params.to_storage`; on one CPU device its dense weights as
 [out, in] rows of those bits, whose few-row products run the native kernel: `jpaged.device.quant`,
-`bfloat16_row_params`), every matmul accumulates in float32 and
+`float_row_params`), every matmul accumulates in float32 and
 the activations between matmuls are float32 (`jpaged.device.model`). `int8` is `quantization="int8"`
 with float32 norms and KV pool: the dense weights int8 with a float32 scale per output channel
 (`jpaged.device.quant`). A decode step of one row reads every weight once, so 16-bit weights halve

@@ -16,7 +16,7 @@ import transformers
 from jpaged.core.sampling_params import SamplingParams
 from jpaged.device.attention import native
 from jpaged.device.model import sequence_logits
-from jpaged.device.quant import (NATIVE_MAX_ROWS, QuantizedWeight, bfloat16_rows, dequantize, quantize, quantize_params,
+from jpaged.device.quant import (NATIVE_MAX_ROWS, QuantizedWeight, float_rows, dequantize, quantize, quantize_params,
                                  quantized_matmul, take_rows)
 from jpaged.engine import EngineConfig
 from jpaged.weights import loader
@@ -66,7 +66,7 @@ def test_a_layer_of_a_stack_is_read_in_place(kind):
     if kind == "int8":
         w = quantize(stack, (96, 40), (0,))
     else:
-        w = bfloat16_rows(jnp.asarray(stack, jnp.bfloat16), (96, 40), (0,))
+        w = float_rows(jnp.asarray(stack, jnp.bfloat16), (96, 40), (0,))
     matmul = jax.jit(lambda x, w, i: quantized_matmul(x, w.of_layer(i)))
     for rows in (1, 5, 40, 300):
         x = rng.standard_normal((rows, 96)).astype(np.float32)

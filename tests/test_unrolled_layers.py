@@ -17,7 +17,7 @@ from jpaged.device.attention import native
 from jpaged.device.attention.xla import XLABackend
 from jpaged.device.config import ModelConfig
 from jpaged.device.params import LayerParams, init_params, to_storage, unstack_layers
-from jpaged.device.quant import QuantizedWeight, bfloat16_row_params, native16_max_rows, quantize_params
+from jpaged.device.quant import NATIVE32_MAX_ROWS, QuantizedWeight, float_row_params, native16_max_rows, quantize_params
 from jpaged.device.runner import UNROLLED_MAX_ROWS, ModelRunner, default_unrolled_max_rows
 
 LLAMA = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
@@ -51,8 +51,11 @@ def test_int8_weights_keep_the_scan_and_sharded_or_stacked_defaults():
     plain16 = to_storage(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))  # bits, as without the library
     assert default_unrolled_max_rows(plain16, sharded=False) == 0
     if native.available_variants():  # 16-bit rows: up to the rows the native kernel takes
-        rows16 = bfloat16_row_params(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
+        rows16 = float_row_params(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
         assert default_unrolled_max_rows(to_storage(rows16), sharded=False) == min(UNROLLED_MAX_ROWS, native16_max_rows())
+        rows32 = float_row_params(params)  # float32 rows: up to NATIVE32_MAX_ROWS
+        assert isinstance(rows32.layers.wq, QuantizedWeight) and rows32.layers.wq.values.dtype == jnp.float32
+        assert default_unrolled_max_rows(rows32, sharded=False) == min(UNROLLED_MAX_ROWS, NATIVE32_MAX_ROWS)
 
 
 def _decode_rows(n: int) -> list[Row]:
@@ -75,13 +78,15 @@ def _prefill_rows(n: int) -> list[Row]:
     return rows
 
 
-@pytest.mark.parametrize("weights", ["float32", "bfloat16-rows"])
+@pytest.mark.parametrize("weights", ["float32", "float32-rows", "bfloat16-rows"])
 @pytest.mark.parametrize("config", [LLAMA, GEMMA], ids=["llama", "gemma"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_unrolled_decode_step_computes_what_the_scan_does(config, weights, backend):
     params = init_params(config, jax.random.key(1), scale=0.15)
     if weights == "bfloat16-rows":
-        params = to_storage(bfloat16_row_params(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)))
+        params = to_storage(float_row_params(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)))
+    elif weights == "float32-rows":
+        params = float_row_params(params)
     results = {}
     for unrolled in (UNROLLED_MAX_ROWS, 0):
         runner = ModelRunner(config, params, num_blocks=16, block_size=8, unrolled_max_rows=unrolled,

@@ -1,6 +1,6 @@
 """16-bit parameters (issue 33): `dtype="bfloat16"` / `"float16"` stores the parameters in 16 bits (on a
 CPU too, bfloat16 held by the runner as its bit patterns), every matmul accumulates in float32, and
-float32 is what it was."""
+float32 computes what it did (on one CPU device its dense weights as [out, in] rows, as bfloat16's)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from jpaged.device import quant
 from jpaged.device.attention import native
 from jpaged.device.model import compute_logits
 from jpaged.device.params import BF16_BITS, cast_params, num_params, to_storage
-from jpaged.device.quant import AMX_MAX_ROWS, NATIVE16_MAX_ROWS, QuantizedWeight, bfloat16_rows, quantized_matmul, take_rows
+from jpaged.device.quant import (AMX_MAX_ROWS, NATIVE16_MAX_ROWS, NATIVE32_MAX_ROWS, QuantizedWeight, float_rows,
+                                 quantized_matmul, take_rows)
 
 on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU storage form of bfloat16 parameters")
 NUM_TOKENS = 16
@@ -43,9 +44,16 @@ def test_bfloat16_parameters_are_stored_in_16_bits(bf16_llm, llm):
         assert stored.lm_head.values is stored.embed.values  # the tied head: a view of the embedding
     else:
         assert stored.layers.w_up.unsafe_buffer_pointer() == engine.model.params.layers.w_up.unsafe_buffer_pointer()
-    f32 = llm.engine  # float32: the same arrays, untouched
-    assert f32.param_dtype == jnp.float32 and f32.runner.params.layers.wq is f32.model.params.layers.wq
-    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(f32.runner.params))
+    f32 = llm.engine  # float32: rows as well (float32 values) where the native library is built
+    assert f32.param_dtype == jnp.float32 and all(x.dtype == jnp.float32 for x in jax.tree.leaves(f32.runner.params))
+    wq, model_wq = f32.runner.params.layers.wq, f32.model.params.layers.wq
+    if native.available_variants():
+        assert isinstance(wq, QuantizedWeight) and wq.is_float and not wq.is_16bit and wq.dtype == jnp.float32
+        model_rows = np.asarray(model_wq).reshape(model_wq.shape[0], -1, wq.values.shape[1]).swapaxes(1, 2)
+        np.testing.assert_array_equal(np.asarray(wq.values), model_rows)
+        assert f32.runner.params.embed.values.unsafe_buffer_pointer() == f32.model.params.embed.unsafe_buffer_pointer()
+    else:
+        assert wq is model_wq
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -86,7 +94,7 @@ def test_bfloat16_greedy_agrees_with_float32(bf16_llm, llm, alpaca_prompts):
 @pytest.mark.skipif(not native.available_variants(), reason="the native 16-bit kernel is not built")
 @pytest.mark.parametrize("tied", [False, True])
 def test_bfloat16_rows_lm_head_accumulates_in_float32(default_model, tied):
-    """`test_lm_head_accumulates_and_returns_float32` on 16-bit rows (`bfloat16_row_params`): one row
+    """`test_lm_head_accumulates_and_returns_float32` on 16-bit rows (`float_row_params`): one row
     (the native kernel), a few (chunks of 4096 columns, native; with AMX one call), more than
     `NATIVE16_MAX_ROWS` (chunks, XLA's dot; with AMX one native call) and more than `AMX_MAX_ROWS`
     (chunks, XLA's dot)."""
@@ -95,7 +103,7 @@ def test_bfloat16_rows_lm_head_accumulates_in_float32(default_model, tied):
     head[0] = 5.0
     params = default_model.params.replace(lm_head=None if tied else jnp.asarray(head),
                                           embed=jnp.asarray(head.T) if tied else default_model.params.embed)
-    params = to_storage(quant.bfloat16_row_params(cast_params(params, jnp.bfloat16)))
+    params = to_storage(quant.float_row_params(cast_params(params, jnp.bfloat16)))
     assert isinstance(params.lm_head, QuantizedWeight) and (params.lm_head.values is params.embed.values) == tied
     for rows in (1, 3, NATIVE16_MAX_ROWS + 2, AMX_MAX_ROWS + 1):
         hidden = jnp.ones((rows, config.hidden_size), jnp.float32)
@@ -120,12 +128,12 @@ def test_weight16_matmul_matches_float64(k, n):
         for variant in native.available_variants():
             target = native.weight16_matmul_target(variant)
             call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, n), jnp.float32))
-            for values in (w.view(np.uint16), w, w.astype(np.float16)):
-                ref = x.astype(np.float64) @ values.astype(np.float64).T if values.dtype == np.float16 else \
-                    xb @ w.astype(np.float64).T
+            for values in (w.view(np.uint16), w, w.astype(np.float16), w.astype(np.float32)):
+                ref = x.astype(np.float64) @ values.astype(np.float64).T if values.dtype in (np.float16, np.float32) \
+                    else xb @ w.astype(np.float64).T
                 np.testing.assert_allclose(np.asarray(call(x, values, np.int32(0))), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(),
                                            err_msg=f"{variant} {values.dtype} {rows} rows")
-    rows16 = bfloat16_rows(jnp.asarray(w.T), (k, n), (0,))  # logical [in, out]
+    rows16 = float_rows(jnp.asarray(w.T), (k, n), (0,))  # logical [in, out]
     assert rows16.values.dtype == jnp.uint16 and rows16.values.shape == (n, k) and rows16.dtype == jnp.bfloat16
     for rows in (1, NATIVE16_MAX_ROWS + 2, AMX_MAX_ROWS + 1):
         x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -136,6 +144,17 @@ def test_weight16_matmul_matches_float64(k, n):
     view = rows16.T  # [out, in] logical: the rows themselves (the embedding's lookup)
     np.testing.assert_array_equal(np.asarray(take_rows(view, jnp.asarray([3, 0]))).astype(np.float32),
                                   w[[3, 0]].astype(np.float32))
+    w32 = rng.standard_normal((n, k)).astype(np.float32)  # float32 rows: x as it is, native up to NATIVE32_MAX_ROWS
+    rows32 = float_rows(jnp.asarray(w32.T), (k, n), (0,))
+    assert rows32.values.dtype == jnp.float32 and rows32.values.shape == (n, k) and rows32.dtype == jnp.float32
+    if native.available_variants():  # a head-wide float32 weight goes to XLA's dot (quant.NATIVE32_MAX_OUTPUT)
+        assert quant.native_max_rows(rows32) == (0 if n >= quant.NATIVE32_MAX_OUTPUT else NATIVE32_MAX_ROWS)
+    for rows in (1, NATIVE32_MAX_ROWS, NATIVE32_MAX_ROWS + 1):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        ref = x.astype(np.float64) @ w32.astype(np.float64).T
+        np.testing.assert_allclose(np.asarray(jax.jit(quantized_matmul)(x, rows32)), ref, rtol=1e-5,
+                                   atol=1e-5 * np.abs(ref).max())
+    np.testing.assert_array_equal(np.asarray(take_rows(rows32.T, jnp.asarray([3, 0]))), w32[[3, 0]])
 
 
 def assert_greedy_close(want, got, nats: float) -> None:
@@ -154,6 +173,26 @@ def assert_greedy_close(want, got, nats: float) -> None:
 
 
 @on_cpu
+@pytest.mark.skipif(not native.available_variants(), reason="the native kernel is not built")
+def test_float32_native_rows_give_the_xla_paths_tokens(llm, make_llm, monkeypatch, alpaca_prompts):
+    """float32 weights as [out, in] rows (the native kernel up to `NATIVE32_MAX_ROWS` rows, XLA's dot of
+    the rows past them) give the greedy tokens of XLA's einsums on the parameters' own layout, one
+    stream and 4 at once, with log-probabilities within 1e-3 nats (float32 products, sums in another
+    order), up to a near tie."""
+    prompts = [chat_token_ids(llm.tokenizer, p) for p in alpaca_prompts[:4]]
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=3)
+    monkeypatch.setattr("jpaged.engine.llm_engine.float_row_params", lambda p: p)
+    xla = make_llm(dtype="float32")
+    monkeypatch.undo()
+    assert not isinstance(xla.engine.runner.params.layers.wq, QuantizedWeight)
+    assert isinstance(llm.engine.runner.params.layers.wq, QuantizedWeight)
+    for batch in ([prompts[0]], prompts):
+        want, got = (m.generate(batch, params, use_tqdm=False) for m in (xla, llm))
+        for a, b in zip(want, got):
+            assert_greedy_close(a.outputs[0], b.outputs[0], nats=1e-3)
+
+
+@on_cpu
 @pytest.mark.skipif(not native.available_variants(), reason="the native 16-bit kernel is not built")
 def test_bfloat16_native_rows_give_the_xla_paths_tokens(bf16_llm, make_llm, monkeypatch, alpaca_prompts):
     """One stream (one row: the native kernel) gives the greedy tokens of the pre-change bfloat16 engine
@@ -163,7 +202,7 @@ def test_bfloat16_native_rows_give_the_xla_paths_tokens(bf16_llm, make_llm, monk
     nats can flip); and the self-draft path (`forward(num_layers=)`) runs on the rows."""
     prompts = [chat_token_ids(bf16_llm.tokenizer, p) for p in alpaca_prompts[:3]]
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=3)
-    monkeypatch.setattr("jpaged.engine.llm_engine.bfloat16_row_params", lambda p: p)
+    monkeypatch.setattr("jpaged.engine.llm_engine.float_row_params", lambda p: p)
     xla = make_llm(dtype="bfloat16", num_blocks=64)
     monkeypatch.undo()
     assert not isinstance(xla.engine.runner.params.layers.wq, QuantizedWeight)

@@ -44,7 +44,7 @@ from jpaged.device.batch import ModelInputs, pack_rows
 from jpaged.device.config import ModelConfig, rope_inv_freq
 from jpaged.device.kv_cache import KVCache
 from jpaged.device.params import LlamaParams, from_storage
-from jpaged.device.quant import QuantizedWeight, native16_max_rows, quantized_matmul, take_rows
+from jpaged.device.quant import QuantizedWeight, native_max_rows, quantized_matmul, take_rows
 
 _SCRATCH_BLOCK_SIZE = 16
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -221,7 +221,7 @@ def compute_logits(params: LlamaParams, hidden, *, config: ModelConfig) -> jax.A
 
 def _lm_head(hidden, w):
     """hidden f[..., hidden] @ w [hidden, vocab] -> f32[..., vocab]; an int8 head is one `_matmul`, and so
-    is a 16-bit-rows head (`QuantizedWeight`) of the rows the native kernel takes, `native16_max_rows()`
+    is a float-rows head (`QuantizedWeight`) of the rows the native kernel takes, `native_max_rows(w)`
     (one row: 1.5 ms for the default model's; 64 rows on AMX tiles: 3-4 ms, XLA's dot 17 ms). Another
     16-bit head on a CPU is a scan over `_LM_HEAD_CHUNK` vocabulary columns at a time: XLA's CPU dot of
     one 16-bit row by the whole [576, 49152] head of the default model took 50-80 ms (float32: 4-6 ms),
@@ -230,7 +230,7 @@ def _lm_head(hidden, w):
     vocab, size = w.shape[-1], _LM_HEAD_CHUNK
     num_chunks = vocab // size
     rows16 = isinstance(w, QuantizedWeight) and w.is_16bit and w.values.ndim == 2
-    native = math.prod(hidden.shape[:-1]) <= max(1, native16_max_rows())
+    native = isinstance(w, QuantizedWeight) and math.prod(hidden.shape[:-1]) <= max(1, native_max_rows(w))
     if ((isinstance(w, QuantizedWeight) and (not rows16 or native)) or jnp.dtype(w.dtype).itemsize != 2
             or num_chunks < 2 or jax.default_backend() != "cpu"):
         return _matmul("...h,hv->...v", hidden, from_storage(w))

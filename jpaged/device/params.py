@@ -24,8 +24,8 @@ Layout (heads are an explicit axis everywhere, so sharding over heads is a layou
   final_norm  f[hidden]
   lm_head     f[hidden, vocab], or None when the embeddings are tied (logits = h @ embed.T)
 
-Weight-only int8 (`jpaged.device.quant.quantize_params`), or bfloat16 rows on one CPU
-(`jpaged.device.quant.bfloat16_row_params`): the dense leaves (embed, lm_head, wq ... w_down) may be
+Weight-only int8 (`jpaged.device.quant.quantize_params`), or float rows on one CPU
+(`jpaged.device.quant.float_row_params`): the dense leaves (embed, lm_head, wq ... w_down) may be
 `QuantizedWeight`s, of the same logical shapes; a tied model's lm_head is then `embed.T`, a view of the
 embedding's own arrays.
 
@@ -37,9 +37,10 @@ as the XLA backend keeps a bfloat16 KV pool. XLA's CPU compiler has no bfloat16 
 widens the whole stacked bfloat16 array to float32 for the layer scan's slicing, in every step (a
 decode step over bfloat16 layers took 7x float32's); a uint16 stack is sliced as it is, and the model
 bit-casts each layer's slice back (`from_storage`). Float16 needs no such form. On a single CPU device
-the engine first makes 16-bit rows of the bfloat16 dense leaves (`jpaged.device.quant.bfloat16_row_params`:
-`QuantizedWeight`s of uint16 bits, [out, in], no scales) for the native few-row matmul; `to_storage`
-then holds the remaining bfloat16 leaves (norms, biases) as bits.
+the engine first makes float rows of the bfloat16 and float32 dense leaves
+(`jpaged.device.quant.float_row_params`: `QuantizedWeight`s of uint16 bits or float32 values, [out, in],
+no scales) for the native few-row matmul; `to_storage` then holds the remaining bfloat16 leaves (norms,
+biases) as bits.
 """
 
 from __future__ import annotations

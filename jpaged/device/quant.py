@@ -1,6 +1,6 @@
 """Dense weights stored as [out, in] rows: weight-only int8 (`quantization="int8"`: int8 values and float
-scales, float32 compute), and bfloat16 weights on one CPU (their bit patterns, no scales) for the native
-few-row product.
+scales, float32 compute), and float weights on one CPU (bfloat16 as their bit patterns, or float32; no
+scales) for the native few-row product.
 
 A `QuantizedWeight` replaces one parameter leaf of `jpaged.device.params` (a dense weight, layers
 stacked or not). Whatever the leaf's logical layout there (`wq` is [hidden, heads, head_dim], `embed`
@@ -16,7 +16,7 @@ its vocabulary rows, so one set of scales serves the lookup (`take_rows`) and th
 `logical_shape` (static: the scan over layers slices `values` and `scales`, not it) and `in_axes` (which
 logical axes are contracted, a prefix or the last) say how the matmul maps back to the einsum it replaces.
 
-16-bit rows (`bfloat16_rows`, `bfloat16_row_params`: what the engine makes of bfloat16 parameters on a
+16-bit rows (`float_rows`, `float_row_params`: what the engine makes of bfloat16 parameters on a
 single CPU device, where the native library is built): `values` u16[*stack, out, in] holding bfloat16
 bit patterns (uint16, as `jpaged.device.params.to_storage` holds bfloat16 on a CPU: the layer scan
 slices them without XLA widening the stack; the model's `from_storage` may hand a slice back bit-cast
@@ -30,6 +30,22 @@ differ only in the order of the sums). Measured (same machine, kernel alone, bf1
 float32's 3.7 ms); more rows go by 4096-row chunks (`jpaged.device.model._lm_head`). In the default model
 (weights from memory), 8-request batched decode ran 15% faster with XLA's dot at 8 rows than with the
 native kernel: hence `NATIVE16_MAX_ROWS` = 3.
+
+float32 rows (`float_rows` of a float32 weight, `float_row_params`: what the engine makes of float32
+parameters there too): `values` f32[*stack, out, in], `scales` None, `dtype` float32. Up to
+`NATIVE32_MAX_ROWS` rows the native kernel reads them (no rounding: float32 products and sums); more
+rows, XLA's float32 dot of the [out, in] rows. Measured on an Intel Xeon (2 cores), the default model's
+30 layers of products as a chain of dependent calls (weights from memory), scratch scripts: one row
+22.0-23.8 ms with XLA's dot of the [in, out] weights, 18.0-19.6 with the native kernel on rows (its
+caller spinning for its helpers, no software prefetch: `csrc/int8_matmul.cc`); 4 rows 33.5-34.6 ms with
+XLA's dot, 26.2-27.0 native, 8 rows 41.7-42.7 and 28.2-29.4 (native before those two changes). The same
+products read in the [in, out] layout by a native kernel (no transposed copy) ran at 15 GB/s against
+XLA's 19: 64-256-byte pieces of rows far apart stream worse than whole rows. A float32 head of
+`NATIVE32_MAX_OUTPUT` output channels or more goes to XLA's dot at every row count: the default
+model's tied [49152 x 576] head, one row, took 4.1-4.4 ms a step in the native kernel (XLA's dot of it
+alone: 3.0 ms, against the kernel's 3.5), and the one-row decode step ran 24.9-26.1 ms with XLA's dot
+against 26.7-26.9 (alternating processes, traced); once the kernel stopped prefetching float32 rows,
+24.6-24.9 against 24.8-25.1.
 
 On a CPU with AMX-BF16 (`native.amx_bf16()`), the native kernel runs bfloat16 products on AMX tiles
 (bfloat16 x bfloat16 -> float32 tile products; one row too: its weights stream faster through tile
@@ -64,17 +80,21 @@ from jpaged.device.attention import native
 QUANTIZATIONS = ("int8",)
 NATIVE_MAX_ROWS = 32  # rows up to which the native kernel beats XLA's dequantize-then-dot (module docstring)
 NATIVE16_MAX_ROWS = 3  # rows up to which the native 16-bit kernel beats XLA's bf16 dot in a model (module docstring)
+NATIVE32_MAX_ROWS = 8  # the same for float32 rows
+NATIVE32_MAX_OUTPUT = 8192  # float32 rows of more output channels (an LM head) go to XLA's dot (module docstring)
 AMX_MAX_ROWS = 128  # the same where the native kernel runs on AMX tiles
+ROW_DTYPES = (jnp.bfloat16, jnp.float32)  # the float weights `float_rows` takes
 IN_AXES = {"embed": (1,), "lm_head": (0,), "wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": (0,),
            "w_up": (0,), "w_down": (0,)}  # the contracted logical axes of each dense leaf of params.py
 
 
 @struct.dataclass
 class QuantizedWeight:
-    """A dense weight stored as [out, in] rows (see the module docstring): int8 with scales, or bfloat16
-    bits (uint16; bit-cast bfloat16 in the model's layer scan) without. Invariants: int8 `values` have a
-    last axis (`in`) that `scales`' last axis divides, and both the same leading axes; 16-bit `values`
-    have `scales` None; `in` is the product of `logical_shape` over `in_axes` and `out` of the other axes."""
+    """A dense weight stored as [out, in] rows (see the module docstring): int8 with scales, or float rows
+    without (bfloat16 bits, uint16, bit-cast bfloat16 in the model's layer scan; or float32). Invariants:
+    int8 `values` have a last axis (`in`) that `scales`' last axis divides, and both the same leading axes;
+    float rows have `scales` None; `in` is the product of `logical_shape` over `in_axes` and `out` of the
+    other axes."""
 
     values: jax.Array
     scales: Optional[jax.Array]
@@ -97,19 +117,24 @@ class QuantizedWeight:
         return self.replace(layer=jnp.asarray(layer, jnp.int32))
 
     @property
-    def is_16bit(self) -> bool:
-        """Whether this is a bfloat16 weight (its bits, no scales) rather than an int8 one."""
+    def is_float(self) -> bool:
+        """Whether these are float rows (bfloat16 bits or float32, no scales) rather than int8 ones."""
         return self.scales is None
+
+    @property
+    def is_16bit(self) -> bool:
+        """Whether these are 16-bit float rows (bfloat16 bits)."""
+        return self.is_float and self.values.dtype.itemsize == 2
 
     @property
     def dtype(self):
         """What the weight computes in: float32 for int8 (its products and rows are float32, whatever its
-        scales'), bfloat16 for 16-bit rows."""
+        scales') and float32 rows, bfloat16 for 16-bit rows."""
         return jnp.dtype(jnp.bfloat16 if self.is_16bit else jnp.float32)
 
     @property
     def group_size(self) -> int:
-        return self.values.shape[-1] // (1 if self.is_16bit else self.scales.shape[-1])
+        return self.values.shape[-1] // (1 if self.is_float else self.scales.shape[-1])
 
     @property
     def T(self) -> "QuantizedWeight":
@@ -143,14 +168,15 @@ def quantize(w, logical_shape: tuple, in_axes: tuple, group_size: int | None = N
     return QuantizedWeight(values, scales, logical_shape, in_axes)
 
 
-def bfloat16_rows(w, logical_shape: tuple, in_axes: tuple) -> QuantizedWeight:
-    """A bfloat16 weight `w` bf16[*stack, *logical_shape] as 16-bit rows: uint16 bit patterns
-    [*stack, out, in], no scales (`in_axes`: the contracted axes of `logical_shape`). On a CPU a weight
-    whose rows are already its layout (the embedding: [vocab, hidden]) shares its memory; others are
-    transposed into a new array."""
+def float_rows(w, logical_shape: tuple, in_axes: tuple) -> QuantizedWeight:
+    """A bfloat16 or float32 weight `w` [*stack, *logical_shape] as float rows [*stack, out, in], no scales
+    (`in_axes`: the contracted axes of `logical_shape`): bfloat16 as uint16 bit patterns, float32 as it is.
+    On a CPU a weight whose rows are already its layout (the embedding: [vocab, hidden]) shares its
+    memory; others are transposed into a new array."""
     logical_shape, in_axes = tuple(logical_shape), tuple(in_axes)
-    if w.dtype != jnp.bfloat16:
-        raise ValueError(f"bfloat16_rows takes a bfloat16 weight, not {w.dtype}")
+    if w.dtype not in ROW_DTYPES:
+        raise ValueError(f"float_rows takes a bfloat16 or float32 weight, not {w.dtype}")
+    bits = w.dtype == jnp.bfloat16
     stack = w.shape[:w.ndim - len(logical_shape)]
     if w.shape[len(stack):] != logical_shape:
         raise ValueError(f"a weight of shape {w.shape} does not end with the logical shape {logical_shape}")
@@ -160,23 +186,24 @@ def bfloat16_rows(w, logical_shape: tuple, in_axes: tuple) -> QuantizedWeight:
     n_in = math.prod(logical_shape[a] for a in in_axes)
     devices = w.devices() if isinstance(w, jax.Array) else set()
     if len(devices) == 1 and next(iter(devices)).platform == "cpu":  # numpy: a view where the layout allows
-        bits = np.asarray(w).view(np.uint16).transpose(order).reshape(*stack, -1, n_in)
-        values = jax.device_put(bits, next(iter(devices)))
+        array = np.asarray(w)
+        rows = (array.view(np.uint16) if bits else array).transpose(order).reshape(*stack, -1, n_in)
+        values = jax.device_put(rows, next(iter(devices)))
     else:
         rows = jnp.transpose(w, order).reshape(*stack, -1, n_in)
-        values = jax.lax.bitcast_convert_type(rows, jnp.uint16)
+        values = jax.lax.bitcast_convert_type(rows, jnp.uint16) if bits else rows
     return QuantizedWeight(values, None, logical_shape, in_axes)
 
 
-def bfloat16_row_params(params):
-    """`params` (a `LlamaParams`) with every bfloat16 dense weight (`IN_AXES`) as 16-bit rows
-    (`bfloat16_rows`), for the native few-row product on one CPU; the same `params` where the native
+def float_row_params(params):
+    """`params` (a `LlamaParams`) with every bfloat16 and float32 dense weight (`IN_AXES`) as float rows
+    (`float_rows`), for the native few-row product on one CPU; the same `params` where the native
     library is absent. Norms and biases stay as they are (`to_storage` makes bits of them), so do leaves
     of other dtypes. Tied embeddings get `lm_head = embed.T`, the same arrays viewed as [hidden, vocab]."""
     if _weight16_target() is None:
         return params
-    return _map_dense(params, lambda w, shape, in_axes: bfloat16_rows(w, shape, in_axes) if w.dtype == jnp.bfloat16
-                      else w)
+    return _map_dense(params, lambda w, shape, in_axes: float_rows(w, shape, in_axes)
+                      if w.dtype in ROW_DTYPES else w)
 
 
 def _map_dense(params, convert):
@@ -207,7 +234,7 @@ def _bf16(values) -> jax.Array:
 
 def dequantize_rows(values, scales) -> jax.Array:
     """f32[..., in]: int8 rows `values` [..., in] times their group scales `scales` [..., in // group];
-    16-bit rows (`scales` None): bf16[..., in], the values bit-cast."""
+    float rows (`scales` None): bf16[..., in] (the values bit-cast) or f32[..., in] (the values)."""
     if scales is None:
         return _bf16(values)
     groups = scales.shape[-1]
@@ -234,16 +261,15 @@ def take_rows(w, ids) -> jax.Array:
     if w.in_axes != (1,) or w.values.ndim != 2:
         raise ValueError(f"take_rows needs an unstacked [rows, columns] weight, not logical {w.logical_shape} "
                          f"contracted over {w.in_axes}")
-    return dequantize_rows(w.values[ids], None if w.is_16bit else w.scales[ids])
+    return dequantize_rows(w.values[ids], None if w.is_float else w.scales[ids])
 
 
 def quantized_matmul(x, w: QuantizedWeight) -> jax.Array:
     """x f[..., *in] (the trailing axes: `w`'s contracted logical axes, in order) times an unstacked int8
-    or 16-bit weight -> f32[..., *out] (`w`'s other logical axes, in order): the einsum `w` replaces. Few
-    rows (at most `NATIVE_MAX_ROWS`; 16-bit: `native16_max_rows()`) on a CPU with the native library:
-    the native kernel; else XLA. A 16-bit weight takes `x` rounded to bfloat16 (as a bfloat16 parameter's
-    einsum does). A weight of one layer of a stack (`of_layer`): the native kernel reads that layer in
-    place; XLA's path slices it out."""
+    or float-rows weight -> f32[..., *out] (`w`'s other logical axes, in order): the einsum `w` replaces.
+    Few rows (at most `native_max_rows(w)`) on a CPU with the native library: the native kernel; else XLA.
+    A 16-bit weight takes `x` rounded to bfloat16 (as a bfloat16 parameter's einsum does). A weight of one
+    layer of a stack (`of_layer`): the native kernel reads that layer in place; XLA's path slices it out."""
     if w.values.ndim != (2 if w.layer is None else 3):
         raise ValueError(f"a matmul takes one layer's weight, not a stack of shape {w.values.shape}")
     num_in = len(w.in_axes)
@@ -252,9 +278,9 @@ def quantized_matmul(x, w: QuantizedWeight) -> jax.Array:
     n_out, n_in = w.values.shape[-2:]
     layer = jnp.asarray(0 if w.layer is None else w.layer, jnp.int32)
     sliced = lambda a: a if w.layer is None else a[w.layer]  # noqa: E731
-    if w.is_16bit:
-        rows = x.reshape(-1, n_in).astype(jnp.bfloat16)
-        target = _weight16_target() if rows.shape[0] <= native16_max_rows() else None
+    if w.is_float:
+        rows = x.reshape(-1, n_in).astype(w.dtype)
+        target = _weight16_target() if rows.shape[0] <= native_max_rows(w) else None
         if target is not None:
             call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n_out), jnp.float32))
             y = call(rows.astype(jnp.float32), w.values, layer)
@@ -263,13 +289,26 @@ def quantized_matmul(x, w: QuantizedWeight) -> jax.Array:
                                     preferred_element_type=jnp.float32)
         return y.reshape(*batch, *out_shape)
     rows = x.reshape(-1, n_in).astype(jnp.float32)
-    target = _native_target() if rows.shape[0] <= NATIVE_MAX_ROWS else None
+    target = _native_target() if rows.shape[0] <= native_max_rows(w) else None
     if target is not None:
         call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n_out), jnp.float32))
         y = call(rows, w.values, w.scales, layer)
     else:
         y = jnp.dot(rows, dequantize_rows(sliced(w.values), sliced(w.scales)).T, preferred_element_type=jnp.float32)
     return y.reshape(*batch, *out_shape)
+
+
+def native_max_rows(w: QuantizedWeight) -> int:
+    """Rows up to which a product by `w` takes the native kernel here: `NATIVE_MAX_ROWS` for int8,
+    `NATIVE32_MAX_ROWS` for float32 rows (0 from `NATIVE32_MAX_OUTPUT` output channels on),
+    `native16_max_rows()` for 16-bit rows; 0 where the native library cannot run."""
+    if not w.is_float:
+        return NATIVE_MAX_ROWS if _native_target() is not None else 0
+    if w.is_16bit:
+        return native16_max_rows()
+    if w.values.shape[-2] >= NATIVE32_MAX_OUTPUT:
+        return 0
+    return NATIVE32_MAX_ROWS if _weight16_target() is not None else 0
 
 
 def native16_max_rows() -> int:
@@ -286,7 +325,8 @@ def _native_target():
 
 
 def _weight16_target():
-    """The native 16-bit kernel's FFI target name, or None where it cannot run (not a CPU, not built)."""
+    """The native float-rows kernel's FFI target name (16-bit or float32 rows), or None where it cannot run
+    (not a CPU, not built)."""
     return _cpu_target(native.weight16_matmul_target)
 
 

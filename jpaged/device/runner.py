@@ -50,7 +50,7 @@ from jpaged.device.config import ModelConfig
 from jpaged.device.kv_cache import KVCache, back_with_huge_pages, pool_shape
 from jpaged.device.model import compute_logits, forward
 from jpaged.device.params import BF16_BITS, LlamaParams, single_cpu_device, unstack_layers
-from jpaged.device.quant import IN_AXES, QuantizedWeight, native16_max_rows
+from jpaged.device.quant import IN_AXES, QuantizedWeight, native_max_rows
 from jpaged.device.sampler import SamplingInputs, sample
 from jpaged.device.sharding import ShardedBackend, ShardingStrategy, replicate_kv_heads
 
@@ -135,20 +135,20 @@ def default_unrolled_max_rows(params: LlamaParams, *, sharded: bool) -> int:
     weights out of the stack, which XLA's CPU backend does by copying them before
     their products, a second pass over every weight; unrolled, the products read them where they lie:
     float32 39 -> 27 ms, bfloat16 rows 22 -> 20 ms. int8 weights went the other way (13.4 -> 14.5 ms):
-    the native kernel reads them from memory slower than a copy brings them into cache. 16-bit rows
-    unroll only up to `native16_max_rows()` rows (the native kernel's): XLA's dot past them takes the
-    rows bit-cast to bfloat16, which outside the scan's slicing is a copy of every weight (4 rows:
-    85 ms a token served, against llama.cpp's 39). The price is compile time (a 30-layer step about 5x
-    the scan's), hence few rows only."""
+    the native kernel reads them from memory slower than a copy brings them into cache. Float rows
+    (16-bit or float32) unroll only up to the rows the native kernel takes (`native_max_rows`): XLA's
+    dot past them takes 16-bit rows bit-cast to bfloat16, which outside the scan's slicing is a copy of
+    every weight (4 rows: 85 ms a token served, against llama.cpp's 39). The price is compile time (a
+    30-layer step about 5x the scan's), hence few rows only."""
     if sharded or single_cpu_device(params.layers) is None:
         return 0
     dense = [getattr(params.layers, name) for name in IN_AXES if name not in ("embed", "lm_head")]
-    if any(isinstance(w, QuantizedWeight) and not w.is_16bit for w in dense):
+    if any(isinstance(w, QuantizedWeight) and not w.is_float for w in dense):
         return 0
     if any(not isinstance(w, QuantizedWeight) and w.dtype == BF16_BITS for w in dense):
         return 0  # bfloat16 weights as plain bits (no native library): each bit-cast unrolled would be a copy
-    if any(isinstance(w, QuantizedWeight) for w in dense):  # 16-bit rows: where the native kernel takes them
-        return min(UNROLLED_MAX_ROWS, native16_max_rows())
+    if any(isinstance(w, QuantizedWeight) for w in dense):  # float rows: where the native kernel takes them
+        return min(UNROLLED_MAX_ROWS, *(native_max_rows(w) for w in dense if isinstance(w, QuantizedWeight)))
     return UNROLLED_MAX_ROWS
 
 

@@ -49,7 +49,7 @@ from jpaged.core.sequence import GroupStatus, Sequence, SequenceGroup
 from jpaged.device.attention import get_backend
 from jpaged.device.kv_cache import bytes_per_block, check_pool_fits, num_blocks_for_memory, parse_memory_size
 from jpaged.device.params import LlamaParams, cast_params, check_params, num_params, to_storage
-from jpaged.device.quant import bfloat16_row_params, quantize_params
+from jpaged.device.quant import float_row_params, quantize_params
 from jpaged.device.runner import ModelRunner, SampleRow, WarmUp
 from jpaged.engine.config import EngineConfig, default_batched_tokens
 from jpaged.engine.draft import SelfDraftProposer
@@ -120,7 +120,7 @@ class LLMEngine:
         # and the parameters': every matmul accumulates in float32 and the activations between them are
         # float32 (jpaged.device.model); on a CPU, the runner holds bfloat16 parameters as their bit
         # patterns (jpaged.device.params.to_storage, sharing their memory), on one CPU device its dense
-        # weights as [out, in] rows of bits (jpaged.device.quant.bfloat16_row_params: a transposed copy)
+        # weights as [out, in] rows (jpaged.device.quant.float_row_params: a transposed copy)
         self.param_dtype = dtype
         backend = None if runner is not None else get_backend(config.attention_backend, interpret=config.interpret)
         # the pool is sized and checked against the memory there is before any weight is read
@@ -199,9 +199,9 @@ class LLMEngine:
         self.draft_layers = draft_layers
         if runner is None:
             on_cpu = jax.default_backend() == "cpu"
-            # on one CPU device, bfloat16 dense weights as [out, in] rows of bits for the native few-row
-            # kernel (jpaged.device.quant.bfloat16_row_params; as they are without the native library)
-            runner_params = bfloat16_row_params(self.model.params) if on_cpu and sharding is None else self.model.params
+            # on one CPU device, bfloat16 and float32 dense weights as [out, in] rows for the native few-row
+            # kernel (jpaged.device.quant.float_row_params; as they are without the native library)
+            runner_params = float_row_params(self.model.params) if on_cpu and sharding is None else self.model.params
             runner = ModelRunner(model_config, to_storage(runner_params) if on_cpu else runner_params,
                                  num_blocks=num_blocks, block_size=config.block_size, dtype=dtype,
                                  num_cpu_blocks=num_cpu_blocks, backend=backend, sharding=sharding, mesh=mesh)

@@ -18,9 +18,9 @@ the best is registered with `jax.ffi.register_ffi_target`. A machine without a c
 without them; `get_backend('auto')` then falls back to the XLA path and logs one line saying so.
 
 The same libraries hold the few-row weight matmuls (`csrc/int8_matmul.cc`: `int8_matmul_target`, and
-`weight16_matmul_target` for bfloat16 weights), which `jpaged.device.quant` calls for few-row products
-of int8 and bfloat16 parameters; on a CPU with AMX-BF16 the AVX-512 library runs bfloat16 products on
-AMX tiles (`amx_bf16`).
+`weight16_matmul_target` for float rows: bfloat16, float16 or float32 weights without scales), which
+`jpaged.device.quant` calls for few-row products of int8, bfloat16 and float32 parameters; on a CPU
+with AMX-BF16 the AVX-512 library runs bfloat16 products on AMX tiles (`amx_bf16`).
 
 The cache write and the copy-on-write copies stay XLA's (`xla_write_kv`, `xla_copy_blocks`):
 they are scatters XLA does in place.
@@ -112,7 +112,7 @@ def int8_matmul_target(variant: str = "auto") -> str:
 
 
 def weight16_matmul_target(variant: str = "auto") -> str:
-    """The FFI target of the 16-bit weight matmul (bfloat16 bits or float16 values, no scales;
+    """The FFI target of the float-rows weight matmul (bfloat16 bits, float16 or float32 values, no scales;
     `csrc/int8_matmul.cc`, used by `jpaged.device.quant`), registered once."""
     return target_name(variant, _WEIGHT16_HANDLER)
 

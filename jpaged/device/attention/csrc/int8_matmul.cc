@@ -17,12 +17,13 @@
 //
 // JpagedWeight16Matmul, operands:
 //   x       f32[M, K]            activations, M rows
-//   values  u16 or bf16 [(L,) N, K]  bfloat16 weights (u16: their bit patterns, the CPU storage form), or
-//           f16 [(L,) N, K]      float16 weights; one output channel per row, no scales
+//   values  u16 or bf16 [(L,) N, K]  bfloat16 weights (u16: their bit patterns, the CPU storage form),
+//           f16 [(L,) N, K]      float16 weights, or f32 [(L,) N, K] float32 weights; one output channel
+//                                per row, no scales
 //   layer   s32[]                as for JpagedInt8Matmul
 // Result: f32[M, N], y[m, n] = sum_k float(values[n, k]) * x'[m, k] (float32 products and sums), where
 // x' is x rounded to bfloat16 for bfloat16 weights (a bf16 x bf16 -> f32 dot, as on the AMX tiles),
-// x itself for float16 ones.
+// x itself for float16 and float32 ones.
 //
 // Each weight is read once per call from memory: kLanes at a time (one register: lanes.h), widened to
 // float32 (and scaled) in registers (bfloat16: a 16-bit shift), then multiplied into up to 8 rows of x
@@ -138,6 +139,10 @@ inline VF Widen(const _Float16* p) {
   return f;
 }
 
+// kLanes float32 weights: a plain load.
+inline VF Widen(const float* p) { return LoadF(p); }
+
+inline float WidenOne(float w) { return w; }
 inline float WidenOne(int8_t w) { return static_cast<float>(w); }
 inline float WidenOne(_Float16 w) { return static_cast<float>(w); }
 inline float WidenOne(Bf16 w) {
@@ -173,7 +178,7 @@ std::vector<float> RoundedToBf16(const float* x, int64_t n) {
 
 struct Problem {
   const float* x;
-  const void* w;       // int8_t, Bf16 or _Float16 [N, K]
+  const void* w;       // int8_t, Bf16, _Float16 or float [N, K]
   const void* scales;  // [N, K / G] (unscaled weights: unused, G = K)
   int64_t M, N, K, G;
   float* y;
@@ -495,18 +500,20 @@ ffi::Error Weight16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::An
   auto w_dims = values.dimensions();
   const size_t rank = w_dims.size();
   if (x_dims.size() != 2 || (rank != 2 && rank != 3) || w_dims[rank - 1] != x_dims[1])
-    return ffi::Error::InvalidArgument("16-bit matmul: x must be [M, K] and values [(L,) N, K]");
+    return ffi::Error::InvalidArgument("weight-rows matmul: x must be [M, K] and values [(L,) N, K]");
   const auto type = values.element_type();
-  if (type != ffi::DataType::U16 && type != ffi::DataType::BF16 && type != ffi::DataType::F16)
-    return ffi::Error::InvalidArgument("16-bit matmul: values must be bfloat16 (or its uint16 bits) or float16");
+  if (type != ffi::DataType::U16 && type != ffi::DataType::BF16 && type != ffi::DataType::F16 &&
+      type != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("weight-rows matmul: values must be bfloat16 (or its uint16 bits), float16 or "
+                                       "float32");
   const int64_t M = x_dims[0], K = x_dims[1], N = w_dims[rank - 2];
   const int64_t offset = LayerOffset(w_dims, layer);
-  if (offset < 0) return ffi::Error::InvalidArgument("16-bit matmul: layer out of range");
-  const bool bf16 = type != ffi::DataType::F16;
+  if (offset < 0) return ffi::Error::InvalidArgument("weight-rows matmul: layer out of range");
+  const bool f32 = type == ffi::DataType::F32, bf16 = type == ffi::DataType::U16 || type == ffi::DataType::BF16;
   auto work = std::make_shared<Work>();
-  work->problem = Problem{x.typed_data(), static_cast<const uint16_t*>(values.untyped_data()) + offset, nullptr, M, N,
-                          K, K, y->typed_data()};
-  work->tile = bf16 ? Tile<Bf16, NoScale> : Tile<_Float16, NoScale>;
+  work->problem = Problem{x.typed_data(), static_cast<const char*>(values.untyped_data()) + offset * (f32 ? 4 : 2),
+                          nullptr, M, N, K, K, y->typed_data()};
+  work->tile = f32 ? Tile<float, NoScale> : bf16 ? Tile<Bf16, NoScale> : Tile<_Float16, NoScale>;
   work->row_chunk = M;
   bool all_on_tiles = false;
   std::vector<float> rounded;  // these outlive Run, which returns when every item is done
