@@ -197,7 +197,13 @@ inline void Block(const Problem& p, int64_t m0, int64_t n0) {
   // hardware prefetchers, and a decode step's weights come from memory. Measured on an Intel Xeon (2
   // cores), bfloat16 [1536 x 576] weights of 60 layers, one row: 23 -> 35 GB/s as independent products,
   // 15 -> 21 GB/s as a chain of dependent ones. (Reading each channel whole, one sequential stream,
-  // was slower, with or without prefetches.) Prefetches past the matrix's end never fault.
+  // was slower, with or without prefetches.) Prefetches past the matrix's end never fault. float32
+  // weights are not prefetched: NO of their rows are a stream the hardware prefetchers keep up with, and
+  // the prefetches slowed it (the default model's 30 layers of float32 rows, one row, a chain of
+  // dependent products: 20.4-23.7 ms with them, 18.0-19.6 without; its one-row decode step 28.0-28.4 ->
+  // 25.3-25.5 ms, alternating processes). int8 weights need them (the same chain 8.3-9.7 ms with them,
+  // 10.9-13.2 without).
+  constexpr bool kPrefetch = sizeof(W) < 4;
   const char* ahead = reinterpret_cast<const char*>(w + (n0 + NO) * K);
   VF acc[R][NO] = {};
   float tail[R][NO] = {};
@@ -208,8 +214,10 @@ inline void Block(const Problem& p, int64_t m0, int64_t n0) {
     const int64_t k1 = (g + 1) * G;
     int64_t k = g * G;
     for (; k + kLanes <= k1; k += kLanes) {
-      for (int b = 0; b < static_cast<int>(NO * kLanes * sizeof(W)); b += 64) __builtin_prefetch(ahead + b, 0, 3);
-      ahead += NO * kLanes * sizeof(W);
+      if constexpr (kPrefetch) {
+        for (int b = 0; b < static_cast<int>(NO * kLanes * sizeof(W)); b += 64) __builtin_prefetch(ahead + b, 0, 3);
+        ahead += NO * kLanes * sizeof(W);
+      }
       VF xv[R];
       for (int r = 0; r < R; ++r) xv[r] = LoadF(p.x + (m0 + r) * K + k);
       for (int o = 0; o < NO; ++o) {
