@@ -53,7 +53,7 @@ def test_int8_weights_keep_the_scan_and_sharded_or_stacked_defaults():
     if native.available_variants():  # 16-bit rows: up to the rows the native kernel takes
         rows16 = float_row_params(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
         assert default_unrolled_max_rows(to_storage(rows16), sharded=False) == min(UNROLLED_MAX_ROWS, native16_max_rows())
-        rows32 = float_row_params(params)  # float32 rows: up to NATIVE32_MAX_ROWS
+        rows32 = float_row_params(params, float32=True)  # float32 rows: up to NATIVE32_MAX_ROWS
         assert isinstance(rows32.layers.wq, QuantizedWeight) and rows32.layers.wq.values.dtype == jnp.float32
         assert default_unrolled_max_rows(rows32, sharded=False) == min(UNROLLED_MAX_ROWS, NATIVE32_MAX_ROWS)
 
@@ -86,7 +86,7 @@ def test_unrolled_decode_step_computes_what_the_scan_does(config, weights, backe
     if weights == "bfloat16-rows":
         params = to_storage(float_row_params(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)))
     elif weights == "float32-rows":
-        params = float_row_params(params)
+        params = float_row_params(params, float32=True)
     results = {}
     for unrolled in (UNROLLED_MAX_ROWS, 0):
         runner = ModelRunner(config, params, num_blocks=16, block_size=8, unrolled_max_rows=unrolled,

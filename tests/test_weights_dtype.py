@@ -1,9 +1,10 @@
 """16-bit parameters (issue 33): `dtype="bfloat16"` / `"float16"` stores the parameters in 16 bits (on a
 CPU too, bfloat16 held by the runner as its bit patterns), every matmul accumulates in float32, and
-float32 computes what it did (on one CPU device its dense weights as [out, in] rows, as bfloat16's)."""
+float32 is what it was."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -44,16 +45,9 @@ def test_bfloat16_parameters_are_stored_in_16_bits(bf16_llm, llm):
         assert stored.lm_head.values is stored.embed.values  # the tied head: a view of the embedding
     else:
         assert stored.layers.w_up.unsafe_buffer_pointer() == engine.model.params.layers.w_up.unsafe_buffer_pointer()
-    f32 = llm.engine  # float32: rows as well (float32 values) where the native library is built
-    assert f32.param_dtype == jnp.float32 and all(x.dtype == jnp.float32 for x in jax.tree.leaves(f32.runner.params))
-    wq, model_wq = f32.runner.params.layers.wq, f32.model.params.layers.wq
-    if native.available_variants():
-        assert isinstance(wq, QuantizedWeight) and wq.is_float and not wq.is_16bit and wq.dtype == jnp.float32
-        model_rows = np.asarray(model_wq).reshape(model_wq.shape[0], -1, wq.values.shape[1]).swapaxes(1, 2)
-        np.testing.assert_array_equal(np.asarray(wq.values), model_rows)
-        assert f32.runner.params.embed.values.unsafe_buffer_pointer() == f32.model.params.embed.unsafe_buffer_pointer()
-    else:
-        assert wq is model_wq
+    f32 = llm.engine  # float32: the same arrays, untouched (XLA's dot computes a row the same in any batch)
+    assert f32.param_dtype == jnp.float32 and f32.runner.params.layers.wq is f32.model.params.layers.wq
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(f32.runner.params))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -175,19 +169,20 @@ def assert_greedy_close(want, got, nats: float) -> None:
 @on_cpu
 @pytest.mark.skipif(not native.available_variants(), reason="the native kernel is not built")
 def test_float32_native_rows_give_the_xla_paths_tokens(llm, make_llm, monkeypatch, alpaca_prompts):
-    """float32 weights as [out, in] rows (the native kernel up to `NATIVE32_MAX_ROWS` rows, XLA's dot of
-    the rows past them) give the greedy tokens of XLA's einsums on the parameters' own layout, one
-    stream and 4 at once, with log-probabilities within 1e-3 nats (float32 products, sums in another
-    order), up to a near tie."""
+    """float32 weights as [out, in] rows (`float_row_params(params, float32=True)`, not the engine's
+    default: the native kernel up to `NATIVE32_MAX_ROWS` rows, XLA's dot of the rows past them) give the
+    greedy tokens of the engine's XLA einsums on the parameters' own layout, one stream and 4 at once,
+    with log-probabilities within 1e-3 nats (float32 products, sums in another order), up to a near tie."""
     prompts = [chat_token_ids(llm.tokenizer, p) for p in alpaca_prompts[:4]]
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=3)
-    monkeypatch.setattr("jpaged.engine.llm_engine.float_row_params", lambda p: p)
-    xla = make_llm(dtype="float32")
+    monkeypatch.setattr("jpaged.engine.llm_engine.float_row_params",
+                        functools.partial(quant.float_row_params, float32=True))
+    rows = make_llm(dtype="float32")
     monkeypatch.undo()
-    assert not isinstance(xla.engine.runner.params.layers.wq, QuantizedWeight)
-    assert isinstance(llm.engine.runner.params.layers.wq, QuantizedWeight)
+    assert not isinstance(llm.engine.runner.params.layers.wq, QuantizedWeight)
+    assert isinstance(rows.engine.runner.params.layers.wq, QuantizedWeight)
     for batch in ([prompts[0]], prompts):
-        want, got = (m.generate(batch, params, use_tqdm=False) for m in (xla, llm))
+        want, got = (m.generate(batch, params, use_tqdm=False) for m in (llm, rows))
         for a, b in zip(want, got):
             assert_greedy_close(a.outputs[0], b.outputs[0], nats=1e-3)
 

@@ -31,10 +31,17 @@ float32's 3.7 ms); more rows go by 4096-row chunks (`jpaged.device.model._lm_hea
 (weights from memory), 8-request batched decode ran 15% faster with XLA's dot at 8 rows than with the
 native kernel: hence `NATIVE16_MAX_ROWS` = 3.
 
-float32 rows (`float_rows` of a float32 weight, `float_row_params`: what the engine makes of float32
-parameters there too): `values` f32[*stack, out, in], `scales` None, `dtype` float32. Up to
-`NATIVE32_MAX_ROWS` rows the native kernel reads them (no rounding: float32 products and sums); more
-rows, XLA's float32 dot of the [out, in] rows. Measured on an Intel Xeon (2 cores), the default model's
+float32 rows (`float_rows` of a float32 weight; `float_row_params(params, float32=True)`): `values`
+f32[*stack, out, in], `scales` None, `dtype` float32. Up to `NATIVE32_MAX_ROWS` rows the native kernel
+reads them (no rounding: float32 products and sums); more rows, XLA's float32 dot of the [out, in] rows.
+The engine keeps float32 weights in their own layout, for XLA's dot: float32 rows are a second copy of
+every weight, and a row's products then sum in one order up to `NATIVE32_MAX_ROWS` rows and in XLA's
+order past them, so a request's float32 tokens would depend on the batch it is decoded in (beam search
+and sampling under aborts and swaps changed tokens: tests/test_reliability.py), where XLA's dot computes
+a row the same in any batch. The speed they buy is at one stream: 10% on an Intel Xeon with AMX
+(bench/README.md), 5-25% on an AMD EPYC with AVX-512 (`LLM.generate`, 128 tokens, one prompt, alternating
+processes: 14.8 / 18.6 / 15.7 ms a token against 19.9 / 19.7 / 18.5). Measured on the Intel Xeon (2
+cores), the default model's
 30 layers of products as a chain of dependent calls (weights from memory), scratch scripts: one row
 22.0-23.8 ms with XLA's dot of the [in, out] weights, 18.0-19.6 with the native kernel on rows (its
 caller spinning for its helpers, no software prefetch: `csrc/int8_matmul.cc`); 4 rows 33.5-34.6 ms with
@@ -195,15 +202,16 @@ def float_rows(w, logical_shape: tuple, in_axes: tuple) -> QuantizedWeight:
     return QuantizedWeight(values, None, logical_shape, in_axes)
 
 
-def float_row_params(params):
-    """`params` (a `LlamaParams`) with every bfloat16 and float32 dense weight (`IN_AXES`) as float rows
-    (`float_rows`), for the native few-row product on one CPU; the same `params` where the native
-    library is absent. Norms and biases stay as they are (`to_storage` makes bits of them), so do leaves
-    of other dtypes. Tied embeddings get `lm_head = embed.T`, the same arrays viewed as [hidden, vocab]."""
+def float_row_params(params, *, float32: bool = False):
+    """`params` (a `LlamaParams`) with every bfloat16 dense weight (`IN_AXES`) as float rows (`float_rows`),
+    for the native few-row product on one CPU (what the engine runs there); with `float32`, the float32
+    ones too (not the engine's default: module docstring). The same `params` where the native library is
+    absent. Norms and biases stay as they are (`to_storage` makes bits of them), so do leaves of other
+    dtypes. Tied embeddings get `lm_head = embed.T`, the same arrays viewed as [hidden, vocab]."""
     if _weight16_target() is None:
         return params
-    return _map_dense(params, lambda w, shape, in_axes: float_rows(w, shape, in_axes)
-                      if w.dtype in ROW_DTYPES else w)
+    dtypes = ROW_DTYPES if float32 else (jnp.bfloat16,)
+    return _map_dense(params, lambda w, shape, in_axes: float_rows(w, shape, in_axes) if w.dtype in dtypes else w)
 
 
 def _map_dense(params, convert):
