@@ -75,10 +75,14 @@ def test_a_layer_of_a_stack_is_read_in_place(kind):
             want = np.asarray(quantized_matmul(x, one))
             np.testing.assert_allclose(np.asarray(matmul(x, w, i)), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
     if native.available_variants():
-        target = native.int8_matmul_target() if kind == "int8" else native.weight16_matmul_target()
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((1, 40), jnp.float32))
+        if kind == "int8":
+            call = jax.ffi.ffi_call(native.int8_matmul_target(), jax.ShapeDtypeStruct((1, 40), jnp.float32))
+            operands = (x[:1], w.values, w.scales, np.int32(3))
+        else:  # x, layer, then the weights
+            call = jax.ffi.ffi_call(native.float_rows_matmul_target(), [jax.ShapeDtypeStruct((1, 40), jnp.float32)])
+            operands = (x[:1], np.int32(3), w.values)
         with pytest.raises(Exception, match="layer out of range"):
-            call(x[:1], w.values, *(() if w.scales is None else (w.scales,)), np.int32(3))
+            call(*operands)
 
 
 def test_native_kernel_is_the_few_row_path():

@@ -7,6 +7,8 @@ steps take this path, is tests/test_families.py's."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,6 +97,10 @@ def test_unrolled_decode_step_computes_what_the_scan_does(config, weights, backe
         logits = np.asarray(runner.execute(_decode_rows(3), decode=True))[:3]
         (decode_key,) = [key for key in runner.executables if key[0] == "decode_step"]
         results[unrolled] = logits, np.asarray(runner.cache.kv), decode_key
+        if weights == "float32-rows" and native.available_variants():  # q/k/v one call, gate/up one: 4 a layer
+            hlo = runner.executables[decode_key].as_text()
+            calls = len(re.findall(r'custom_call_target="[^"]*float_rows_matmul', hlo))
+            assert calls == 4 * (config.num_layers if unrolled else 1) + 1, (unrolled, calls)  # + the head
     (unrolled_logits, unrolled_kv, unrolled_key), (scan_logits, scan_kv, scan_key) = results.values()
     assert unrolled_key != scan_key  # the two forms are two executables (one leaf a layer against the stacks)
     np.testing.assert_allclose(unrolled_logits, scan_logits, rtol=1e-5, atol=1e-5)

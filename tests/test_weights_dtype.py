@@ -107,8 +107,8 @@ def test_bfloat16_rows_lm_head_accumulates_in_float32(default_model, tied):
 
 
 @pytest.mark.parametrize("k, n", [(64, 19), (50, 7), (33, 5), (96, 200), (64, 8200)])
-def test_weight16_matmul_matches_float64(k, n):
-    """The native 16-bit kernel in every variant built (bfloat16 as bits and as bfloat16, float16) and
+def test_float_rows_matmul_matches_float64(k, n):
+    """The native float-rows kernel in every variant built (bfloat16 as bits and as bfloat16, float16, float32) and
     `quantized_matmul` of 16-bit rows (native for few rows, XLA's bf16 dot for more), against float64,
     at sizes that are not multiples of the vectors. bfloat16 weights take x rounded to bfloat16. Where
     the CPU has AMX-BF16 (`native.amx_bf16()`), K = 64 and 96 run on the tiles: 17 and 33
@@ -120,12 +120,12 @@ def test_weight16_matmul_matches_float64(k, n):
         x = rng.standard_normal((rows, k)).astype(np.float32)
         xb = x.astype(jnp.bfloat16).astype(np.float64)
         for variant in native.available_variants():
-            target = native.weight16_matmul_target(variant)
-            call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, n), jnp.float32))
+            target = native.float_rows_matmul_target(variant)
+            call = jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct((rows, n), jnp.float32)])
             for values in (w.view(np.uint16), w, w.astype(np.float16), w.astype(np.float32)):
                 ref = x.astype(np.float64) @ values.astype(np.float64).T if values.dtype in (np.float16, np.float32) \
                     else xb @ w.astype(np.float64).T
-                np.testing.assert_allclose(np.asarray(call(x, values, np.int32(0))), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(),
+                np.testing.assert_allclose(np.asarray(call(x, np.int32(0), values)[0]), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(),
                                            err_msg=f"{variant} {values.dtype} {rows} rows")
     rows16 = float_rows(jnp.asarray(w.T), (k, n), (0,))  # logical [in, out]
     assert rows16.values.dtype == jnp.uint16 and rows16.values.shape == (n, k) and rows16.dtype == jnp.bfloat16
@@ -149,6 +149,42 @@ def test_weight16_matmul_matches_float64(k, n):
         np.testing.assert_allclose(np.asarray(jax.jit(quantized_matmul)(x, rows32)), ref, rtol=1e-5,
                                    atol=1e-5 * np.abs(ref).max())
     np.testing.assert_array_equal(np.asarray(take_rows(rows32.T, jnp.asarray([3, 0]))), w32[[3, 0]])
+
+
+@pytest.mark.skipif(not native.available_variants(), reason="the native kernel is not built")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_several_weights_of_one_x_are_one_native_call(dtype):
+    """`quantized_matmuls` of float rows (q, k and v; gate and up): one native call with a result per
+    weight, each equal bit for bit to that weight's own `quantized_matmul` (the same kernel, the same
+    sums), for a layer of a stack too; weights the kernel does not take together go one by one; and the
+    kernel refuses weights of two dtypes and more than 4 weights with a message."""
+    rng = np.random.default_rng(7)
+    shapes = [(96, 4, 16), (96, 2, 16), (96, 2, 16)]  # [hidden, heads, head_dim]: q, k, v of a GQA layer
+    stacks = [rng.standard_normal((3, *shape)).astype(np.float32) for shape in shapes]
+    ws = [float_rows(jnp.asarray(a, dtype), shape, (0,)) for a, shape in zip(stacks, shapes)]
+    fused = jax.jit(lambda x, ws, i: quant.quantized_matmuls(x, [w.of_layer(i) for w in ws]))
+    alone = jax.jit(lambda x, w, i: quantized_matmul(x, w.of_layer(i)))
+    limit = min(quant.native_max_rows(w) for w in ws)
+    for rows in (1, limit, limit + 1):
+        x = rng.standard_normal((rows, 96)).astype(np.float32)
+        for layer in (0, 2):
+            got = fused(x, ws, layer)
+            for g, w in zip(got, ws):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(alone(x, w, layer)), err_msg=f"{rows} rows")
+        hlo = fused.lower(x, ws, 0).as_text()
+        assert hlo.count("float_rows_matmul") == (1 if rows <= limit else 0), rows
+    mixed = [ws[0], float_rows(jnp.asarray(stacks[1], jnp.bfloat16 if dtype == jnp.float32 else jnp.float32),
+                               shapes[1], (0,))]
+    got = fused(x[:1], mixed, 1)  # two dtypes: one call each
+    assert fused.lower(x[:1], mixed, 1).as_text().count("float_rows_matmul") == 2
+    for g, w in zip(got, mixed):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(alone(x[:1], w, 1)))
+    target = native.float_rows_matmul_target()
+    out = jax.ShapeDtypeStruct((1, 32), jnp.float32)
+    with pytest.raises(Exception, match="share a dtype"):
+        jax.ffi.ffi_call(target, [out, out])(x[:1], np.int32(0), ws[1].values, mixed[1].values)
+    with pytest.raises(Exception, match="1 to 4 weights"):
+        jax.ffi.ffi_call(target, [out] * 5)(x[:1], np.int32(0), *[ws[1].values] * 5)
 
 
 def assert_greedy_close(want, got, nats: float) -> None:

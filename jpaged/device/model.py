@@ -44,7 +44,7 @@ from jpaged.device.batch import ModelInputs, pack_rows
 from jpaged.device.config import ModelConfig, rope_inv_freq
 from jpaged.device.kv_cache import KVCache
 from jpaged.device.params import LlamaParams, from_storage
-from jpaged.device.quant import QuantizedWeight, native_max_rows, quantized_matmul, take_rows
+from jpaged.device.quant import QuantizedWeight, native_max_rows, quantized_matmul, quantized_matmuls, take_rows
 
 _SCRATCH_BLOCK_SIZE = 16
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -58,6 +58,14 @@ def _matmul(spec: str, x, w):
     if isinstance(w, QuantizedWeight):
         return quantized_matmul(x, w)
     return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def _matmuls(spec: str, x, ws) -> list:
+    """`[_matmul(spec, x, w) for w in ws]`; `QuantizedWeight`s go together (`quantized_matmuls`: one native
+    call for all of them where the kernel takes them)."""
+    if all(isinstance(w, QuantizedWeight) for w in ws):
+        return quantized_matmuls(x, ws)
+    return [_matmul(spec, x, w) for w in ws]
 
 
 def _output_projection(attn, wo):
@@ -141,7 +149,7 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
         # they are; a bit-cast of a parameter outside the scan's slicing is a copy on XLA's CPU backend)
         p = jax.tree.map(from_storage, p, is_leaf=lambda x: isinstance(x, QuantizedWeight))
         h = norm(x, p.attn_norm)
-        q, k, v = (_matmul("th,hnd->tnd", h, w) for w in (p.wq, p.wk, p.wv))
+        q, k, v = _matmuls("th,hnd->tnd", h, (p.wq, p.wk, p.wv))
         if c.attention_bias:
             q, k, v = q + p.bq, k + p.bk, v + p.bv
         if c.qk_norm:
@@ -153,8 +161,7 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
         out = _output_projection(attn, p.wo)
         x = x + (norm(out, p.post_attn_norm) if c.sandwich_norms else out)
         h = norm(x, p.mlp_norm)
-        gate = _matmul("th,hi->ti", h, p.w_gate)
-        up = _matmul("th,hi->ti", h, p.w_up)
+        gate, up = _matmuls("th,hi->ti", h, (p.w_gate, p.w_up))
         out = _matmul("ti,ih->th", activation(gate) * up, p.w_down)
         x = x + (norm(out, p.post_mlp_norm) if c.sandwich_norms else out)
         return (x, pool), None

@@ -18,9 +18,10 @@ the best is registered with `jax.ffi.register_ffi_target`. A machine without a c
 without them; `get_backend('auto')` then falls back to the XLA path and logs one line saying so.
 
 The same libraries hold the few-row weight matmuls (`csrc/int8_matmul.cc`: `int8_matmul_target`, and
-`weight16_matmul_target` for float rows: bfloat16, float16 or float32 weights without scales), which
-`jpaged.device.quant` calls for few-row products of int8, bfloat16 and float32 parameters; on a CPU
-with AMX-BF16 the AVX-512 library runs bfloat16 products on AMX tiles (`amx_bf16`).
+`float_rows_matmul_target` for float rows: bfloat16, float16 or float32 weights without scales, up to 4
+weights of the same activations in one call), which `jpaged.device.quant` calls for few-row products of
+int8, bfloat16 and float32 parameters; on a CPU with AMX-BF16 the AVX-512 library runs bfloat16 products
+on AMX tiles (`amx_bf16`).
 
 The cache write and the copy-on-write copies stay XLA's (`xla_write_kv`, `xla_copy_blocks`):
 they are scatters XLA does in place.
@@ -43,8 +44,8 @@ from jpaged.device.attention.xla import FULL_WINDOW, storage_dtype, xla_copy_blo
 VARIANTS = ("avx512", "avx2", "portable")  # best first
 _HANDLER = "JpagedPagedAttention"
 _INT8_HANDLER = "JpagedInt8Matmul"  # csrc/int8_matmul.cc
-_WEIGHT16_HANDLER = "JpagedWeight16Matmul"  # csrc/int8_matmul.cc: bfloat16 (or float16) weights
-_TARGETS = {_HANDLER: "paged_attention", _INT8_HANDLER: "int8_matmul", _WEIGHT16_HANDLER: "weight16_matmul"}
+_FLOAT_ROWS_HANDLER = "JpagedFloatRowsMatmul"  # csrc/int8_matmul.cc: bfloat16, float16 or float32 rows
+_TARGETS = {_HANDLER: "paged_attention", _INT8_HANDLER: "int8_matmul", _FLOAT_ROWS_HANDLER: "float_rows_matmul"}
 
 
 def library_path(variant: str) -> str | None:
@@ -111,10 +112,11 @@ def int8_matmul_target(variant: str = "auto") -> str:
     return target_name(variant, _INT8_HANDLER)
 
 
-def weight16_matmul_target(variant: str = "auto") -> str:
+def float_rows_matmul_target(variant: str = "auto") -> str:
     """The FFI target of the float-rows weight matmul (bfloat16 bits, float16 or float32 values, no scales;
-    `csrc/int8_matmul.cc`, used by `jpaged.device.quant`), registered once."""
-    return target_name(variant, _WEIGHT16_HANDLER)
+    operands x, layer, then 1 to 4 weights, one result each; `csrc/int8_matmul.cc`, used by
+    `jpaged.device.quant`), registered once."""
+    return target_name(variant, _FLOAT_ROWS_HANDLER)
 
 
 @functools.cache

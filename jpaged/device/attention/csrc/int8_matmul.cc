@@ -1,5 +1,5 @@
 // Weight matrix products on the CPU for few rows (decode), as XLA FFI handlers: the dense layers of a
-// model whose parameters are `jpaged.device.quant.QuantizedWeight`s (int8 with scales, or 16-bit
+// model whose parameters are `jpaged.device.quant.QuantizedWeight`s (int8 with scales, or float rows
 // without), where XLA's CPU dot would first widen the whole int8 matrix to float32 in memory, or reads
 // a bfloat16 matrix at a fraction of the memory's speed.
 //
@@ -15,15 +15,16 @@
 //                                of the stack would be a copy of the layer's weights on XLA's CPU backend.
 // Result: f32[M, N], y[m, n] = sum_g scales[n, g] * sum_{k in group g} values[n, k] * x[m, k].
 //
-// JpagedWeight16Matmul, operands:
+// JpagedFloatRowsMatmul, operands:
 //   x       f32[M, K]            activations, M rows
-//   values  u16 or bf16 [(L,) N, K]  bfloat16 weights (u16: their bit patterns, the CPU storage form),
-//           f16 [(L,) N, K]      float16 weights, or f32 [(L,) N, K] float32 weights; one output channel
-//                                per row, no scales
-//   layer   s32[]                as for JpagedInt8Matmul
-// Result: f32[M, N], y[m, n] = sum_k float(values[n, k]) * x'[m, k] (float32 products and sums), where
-// x' is x rounded to bfloat16 for bfloat16 weights (a bf16 x bf16 -> f32 dot, as on the AMX tiles),
-// x itself for float16 and float32 ones.
+//   layer   s32[]                as for JpagedInt8Matmul, the same layer of every weight
+//   values  1 to 4 weights, each u16 or bf16 [(L,) N_i, K] (bfloat16 weights; u16: their bit patterns, the
+//           CPU storage form), f16 [(L,) N_i, K] (float16) or f32 [(L,) N_i, K] (float32), all of one dtype;
+//           one output channel per row, no scales
+// Results: f32[M, N_i] for each weight, y_i[m, n] = sum_k float(values_i[n, k]) * x'[m, k] (float32 products
+// and sums), where x' is x rounded to bfloat16 for bfloat16 weights (a bf16 x bf16 -> f32 dot, as on the
+// AMX tiles), x itself for float16 and float32 ones. Several weights of one x (q, k and v; gate and up) are
+// one call: one wait for the threads instead of several (`jpaged.device.quant.quantized_matmuls`).
 //
 // Each weight is read once per call from memory: kLanes at a time (one register: lanes.h), widened to
 // float32 (and scaled) in registers (bfloat16: a 16-bit shift), then multiplied into up to 8 rows of x
@@ -416,20 +417,24 @@ __attribute__((target("amx-tile,amx-bf16"))) void AmxTile(const Problem& p, int6
 }
 #endif  // JPAGED_AMX
 
-// The work items, each rows [m0, m1) by channels [n0, n1) (a chunk of rows by tile_channels channels, the
-// rows' chunks outermost), claimed by the calling thread and XLA's intra-op threads; threads that start after
-// the last item was claimed return without touching the buffers (which live only until the handler returns).
-// Where x must be packed first (the AMX path), its blocks of rows are claimed the same way before any item,
-// and a thread takes items only once every block is packed (it waits at most for the blocks other threads
-// are packing: a few microseconds).
+// The work items of one call: for each of its problems (one weight each, all of the same rows of x), rows
+// [m0, m1) by channels [n0, n1) (a chunk of rows by that problem's tile_channels channels, the rows' chunks
+// outermost), the problems' items one after another; claimed by the calling thread and XLA's intra-op
+// threads; threads that start after the last item was claimed return without touching the buffers (which
+// live only until the handler returns). Where x must be packed first (the AMX path), its blocks of rows are
+// claimed the same way before any item (once for every problem: they share x), and a thread takes items
+// only once every block is packed (it waits at most for the blocks other threads are packing: a few
+// microseconds).
 struct Work {
-  Problem problem;
+  static constexpr int kMaxProblems = 4;
+  Problem problems[kMaxProblems];
+  int num_problems = 1;
   void (*tile)(const Problem&, int64_t, int64_t, int64_t, int64_t);  // Tile<W, S> or AmxTile
   int64_t row_chunk;  // rows per item (M: one chunk)
-  int64_t tile_channels = kTile;  // channels per item
-  void (*pack)(const Problem&, int64_t) = nullptr;  // packs one block of x's rows into problem.packed
+  int64_t tile_channels[kMaxProblems] = {kTile, kTile, kTile, kTile};  // channels per item, per problem
+  void (*pack)(const Problem&, int64_t) = nullptr;  // packs one block of x's rows into problems[0].packed
   int64_t pack_blocks = 0;
-  int64_t tiles = 0, items = 0;
+  int64_t tiles[kMaxProblems] = {}, first_item[kMaxProblems + 1] = {}, items = 0;
   std::atomic<int64_t> next_block{0}, blocks_packed{0};
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -438,14 +443,17 @@ struct Work {
 
   void Drain() {
     for (int64_t b = next_block.fetch_add(1); b < pack_blocks; b = next_block.fetch_add(1)) {
-      pack(problem, b);
+      pack(problems[0], b);
       blocks_packed.fetch_add(1, std::memory_order_release);
     }
     for (int spins = 0; blocks_packed.load(std::memory_order_acquire) < pack_blocks; ++spins)
       spins < 4096 ? Pause() : std::this_thread::yield();
     for (int64_t t = next.fetch_add(1); t < items; t = next.fetch_add(1)) {
-      const int64_t m0 = t / tiles * row_chunk, n0 = t % tiles * tile_channels;
-      tile(problem, m0, std::min(problem.M, m0 + row_chunk), n0, std::min(problem.N, n0 + tile_channels));
+      int i = 0;
+      while (t >= first_item[i + 1]) ++i;
+      const Problem& p = problems[i];
+      const int64_t u = t - first_item[i], m0 = u / tiles[i] * row_chunk, n0 = u % tiles[i] * tile_channels[i];
+      tile(p, m0, std::min(p.M, m0 + row_chunk), n0, std::min(p.N, n0 + tile_channels[i]));
       if (done.fetch_add(1) + 1 == items) {
         std::lock_guard<std::mutex> lock(mu);
         finished.notify_all();
@@ -454,12 +462,17 @@ struct Work {
   }
 };
 
-// Runs `work` (its problem, tile function and row chunk set) on the calling thread and XLA's intra-op threads.
+// Runs `work` (its problems, tile function and row chunk set) on the calling thread and XLA's intra-op
+// threads.
 ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
-  const Problem& p = work->problem;
-  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
-  work->tiles = (p.N + work->tile_channels - 1) / work->tile_channels;
-  work->items = work->tiles * ((p.M + work->row_chunk - 1) / work->row_chunk);
+  if (work->problems[0].M == 0) return ffi::Error::Success();
+  const int64_t chunks = (work->problems[0].M + work->row_chunk - 1) / work->row_chunk;
+  for (int i = 0; i < work->num_problems; ++i) {
+    work->tiles[i] = (work->problems[i].N + work->tile_channels[i] - 1) / work->tile_channels[i];
+    work->first_item[i + 1] = work->first_item[i] + work->tiles[i] * chunks;
+  }
+  work->items = work->first_item[work->num_problems];
+  if (work->items == 0) return ffi::Error::Success();
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->items) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
   work->Drain();
@@ -494,7 +507,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (offset < 0) return ffi::Error::InvalidArgument("int8 matmul: layer out of range");
   const int64_t scale_offset = offset / K * groups, scale_size = type == ffi::DataType::F16 ? 2 : 4;
   auto work = std::make_shared<Work>();
-  work->problem = Problem{x.typed_data(), values.typed_data() + offset,
+  work->problems[0] = Problem{x.typed_data(), values.typed_data() + offset,
                           static_cast<const char*>(scales.untyped_data()) + scale_offset * scale_size, M, N, K,
                           K / groups, y->typed_data()};
   work->tile = type == ffi::DataType::F16 ? Tile<int8_t, _Float16> : Tile<int8_t, float>;
@@ -502,27 +515,44 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return Run(pool, std::move(work));
 }
 
-ffi::Error Weight16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
-                          ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error FloatRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                           ffi::RemainingArgs weights, ffi::RemainingRets results) {
   auto x_dims = x.dimensions();
-  auto w_dims = values.dimensions();
-  const size_t rank = w_dims.size();
-  if (x_dims.size() != 2 || (rank != 2 && rank != 3) || w_dims[rank - 1] != x_dims[1])
-    return ffi::Error::InvalidArgument("weight-rows matmul: x must be [M, K] and values [(L,) N, K]");
-  const auto type = values.element_type();
-  if (type != ffi::DataType::U16 && type != ffi::DataType::BF16 && type != ffi::DataType::F16 &&
-      type != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("weight-rows matmul: values must be bfloat16 (or its uint16 bits), float16 or "
-                                       "float32");
-  const int64_t M = x_dims[0], K = x_dims[1], N = w_dims[rank - 2];
-  const int64_t offset = LayerOffset(w_dims, layer);
-  if (offset < 0) return ffi::Error::InvalidArgument("weight-rows matmul: layer out of range");
-  const bool f32 = type == ffi::DataType::F32, bf16 = type == ffi::DataType::U16 || type == ffi::DataType::BF16;
+  if (x_dims.size() != 2) return ffi::Error::InvalidArgument("float-rows matmul: x must be [M, K]");
+  const int64_t M = x_dims[0], K = x_dims[1];
+  const int count = static_cast<int>(weights.size());
+  if (count < 1 || count > Work::kMaxProblems || results.size() != weights.size())
+    return ffi::Error::InvalidArgument("float-rows matmul: 1 to 4 weights, one result each");
   auto work = std::make_shared<Work>();
-  work->problem = Problem{x.typed_data(), static_cast<const char*>(values.untyped_data()) + offset * (f32 ? 4 : 2),
-                          nullptr, M, N, K, K, y->typed_data()};
-  work->tile = f32 ? Tile<float, NoScale> : bf16 ? Tile<Bf16, NoScale> : Tile<_Float16, NoScale>;
+  work->num_problems = count;
   work->row_chunk = M;
+  ffi::DataType type = ffi::DataType::INVALID;
+  for (int i = 0; i < count; ++i) {
+    auto values = weights.get<ffi::AnyBuffer>(i);
+    auto y = results.get<ffi::Buffer<ffi::F32>>(i);
+    if (!values.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("float-rows matmul: the weights and results must be arrays");
+    auto w_dims = values->dimensions();
+    const size_t rank = w_dims.size();
+    if ((rank != 2 && rank != 3) || w_dims[rank - 1] != K)
+      return ffi::Error::InvalidArgument("float-rows matmul: each weight must be [(L,) N, K] with x's K");
+    const auto t = values->element_type();
+    if (t != ffi::DataType::U16 && t != ffi::DataType::BF16 && t != ffi::DataType::F16 && t != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument("float-rows matmul: weights must be bfloat16 (or its uint16 bits), float16 "
+                                         "or float32");
+    const bool same = i == 0 || t == type || ((t == ffi::DataType::U16 || t == ffi::DataType::BF16) &&
+                                              (type == ffi::DataType::U16 || type == ffi::DataType::BF16));
+    if (!same) return ffi::Error::InvalidArgument("float-rows matmul: the weights of one call must share a dtype");
+    type = t;
+    const int64_t offset = LayerOffset(w_dims, layer);
+    if (offset < 0) return ffi::Error::InvalidArgument("float-rows matmul: layer out of range");
+    work->problems[i] = Problem{x.typed_data(),
+                                static_cast<const char*>(values->untyped_data()) +
+                                    offset * (t == ffi::DataType::F32 ? 4 : 2),
+                                nullptr, M, w_dims[rank - 2], K, K, (*y)->typed_data()};
+  }
+  const bool f32 = type == ffi::DataType::F32, bf16 = type == ffi::DataType::U16 || type == ffi::DataType::BF16;
+  work->tile = f32 ? Tile<float, NoScale> : bf16 ? Tile<Bf16, NoScale> : Tile<_Float16, NoScale>;
   bool all_on_tiles = false;
   std::vector<float> rounded;  // these outlive Run, which returns when every item is done
   std::vector<uint16_t> own_packed;
@@ -536,18 +566,21 @@ ffi::Error Weight16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::An
     static thread_local std::vector<uint16_t> kept;
     if (size <= kKeptPackSize && kept.size() < size) kept.resize(kKeptPackSize);
     if (size > kKeptPackSize) own_packed.resize(size);
-    work->problem.packed = size <= kKeptPackSize ? kept.data() : own_packed.data();
-    work->pack = PackRowsForAmx;  // rounds x to bfloat16 itself
+    work->pack = PackRowsForAmx;  // rounds x to bfloat16 itself, once for every weight
     work->pack_blocks = blocks;
     work->tile = AmxTile;
     work->row_chunk = kAmxRowChunk;
-    if (N >= kAmxWideOutput) work->tile_channels = kAmxWideTile;
-    all_on_tiles = N % kAmxRows == 0;
+    all_on_tiles = true;
+    for (int i = 0; i < count; ++i) {
+      work->problems[i].packed = size <= kKeptPackSize ? kept.data() : own_packed.data();
+      if (work->problems[i].N >= kAmxWideOutput) work->tile_channels[i] = kAmxWideTile;
+      all_on_tiles = all_on_tiles && work->problems[i].N % kAmxRows == 0;
+    }
   }
 #endif
   if (bf16 && !all_on_tiles) {  // bfloat16 weights on the AVX-512 path: x rounded to bfloat16 first
     rounded = RoundedToBf16(x.typed_data(), M * K);
-    work->problem.x = rounded.data();
+    for (int i = 0; i < count; ++i) work->problems[i].x = rounded.data();
   }
   return Run(pool, std::move(work));
 }
@@ -563,15 +596,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedInt8Matmul, Int8Matmul,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedWeight16Matmul, Weight16Matmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedFloatRowsMatmul, FloatRowsMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::AnyBuffer>()         // values: u16 (bfloat16 bits), bf16 or f16
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()               // values: u16 (bfloat16 bits), bf16, f16 or f32
+                                  .RemainingRets());             // y: f32, one per weight
 
-// Whether the 16-bit weight matmul of this library runs bfloat16 weights on AMX tiles (this CPU has AMX-BF16, the OS granted the tile state, and the library is the AVX-512 build).
+// Whether the float-rows matmul of this library runs bfloat16 weights on AMX tiles (this CPU has AMX-BF16, the OS granted the tile state, and the library is the AVX-512 build).
 extern "C" int JpagedAmxBf16() {
 #ifdef JPAGED_AMX
   return AmxReady();
