@@ -29,7 +29,8 @@ median (above 1: jpaged is faster). The JSON names the CPU and its ISA flags and
     python bench/latency.py             # 128 tokens, 3 rounds (11 min)
     python bench/latency.py --widths float32 --concurrency 1,8 --rounds 5
 
-Writes `<out>/latency.json` and `.png` (`latency_quick.*` for --quick; `latency_omp_passive*` with
+Writes `<out>/latency.json` and `.png` (`latency_quick.*` for --quick; `latency_async*` with
+`--async-scheduling`, jpaged serve's host overlapped with its device; `latency_omp_passive*` with
 `--llama-omp-wait-policy passive`, llama-server's threads sleeping at barriers: for a loaded machine).
 """
 
@@ -70,7 +71,8 @@ def jpaged_command(width: str, port: int, ggufs: dict[str, Path], args) -> list[
     model = ["--dtype", width] if width != "int8" else ["--model", str(ggufs["Q8_0"]), "--quantization", "int8"]
     return [sys.executable, "-m", "jpaged.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", MODEL, *model, "--max-num-seqs", str(max(args.concurrency)),
-            "--max-num-batched-tokens", "2048", "--kv-cache-memory", "1GiB", "--compile-cache", args.compile_cache]
+            "--max-num-batched-tokens", "2048", "--kv-cache-memory", "1GiB", "--compile-cache", args.compile_cache,
+            *(["--async-scheduling"] if args.async_scheduling else [])]
 
 
 def measure(base: str, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -225,6 +227,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="llama-server's threads (default: every core, as XLA uses for jpaged)")
     ap.add_argument("--llama-omp-wait-policy", default=peer_common.LLAMA_OMP_WAIT_POLICY, choices=("active", "passive"),
                     help="llama-server's OMP_WAIT_POLICY (see bench/peers/common.py)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="jpaged serve --async-scheduling: the host overlapped with the device (`latency_async*`)")
     ap.add_argument("--llama-cpp-dir", default=None, help="llama.cpp build folder (default: build_llama_cpp.sh's)")
     ap.add_argument("--gguf-dir", type=Path, default=make_gguf.DEFAULT_OUT)
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR)
@@ -257,7 +261,7 @@ def main(argv=None) -> dict:
            "llama_cpp": {"dir": str(lcpp), "build_info": peer_common.llama_build_info(str(lcpp))},
            "config": {"quick": args.quick, "rounds": args.rounds, "max_tokens": args.max_tokens,
                       "concurrency": args.concurrency, "threads": args.threads, "widths": args.widths,
-                      "llama_omp_wait_policy": args.llama_omp_wait_policy,
+                      "llama_omp_wait_policy": args.llama_omp_wait_policy, "async_scheduling": args.async_scheduling,
                       "prompt_tokens": [len(p) for p in prompts],
                       "workload": "C clients, one streamed /v1/completions request each, all at once; prompt token "
                                   "ids, greedy, ignore_eos; ms/token = (last token - first token) / (tokens - 1)"},
@@ -276,6 +280,7 @@ def main(argv=None) -> dict:
                 print(f"!! {width} failed: {e}", file=sys.stderr, flush=True)
     out["machine"]["load_average_at_end"] = list(os.getloadavg())
     name = "latency" if args.llama_omp_wait_policy == peer_common.LLAMA_OMP_WAIT_POLICY else "latency_omp_passive"
+    name = name.replace("latency", "latency_async") if args.async_scheduling else name
     return common.report(out, args.out, common.results_stem(name, args.quick), start, plot, print_table)
 
 
