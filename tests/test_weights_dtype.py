@@ -185,6 +185,8 @@ def test_several_weights_of_one_x_are_one_native_call(dtype):
         jax.ffi.ffi_call(target, [out, out])(x[:1], np.int32(0), ws[1].values, mixed[1].values)
     with pytest.raises(Exception, match="1 to 4 weights"):
         jax.ffi.ffi_call(target, [out] * 5)(x[:1], np.int32(0), *[ws[1].values] * 5)
+    with pytest.raises(Exception, match="each result must be"):  # k's 32 channels, a result of 33
+        jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct((1, 33), jnp.float32)])(x[:1], np.int32(0), ws[1].values)
 
 
 def assert_greedy_close(want, got, nats: float) -> None:

@@ -531,11 +531,14 @@ ffi::Error FloatRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     auto values = weights.get<ffi::AnyBuffer>(i);
     auto y = results.get<ffi::Buffer<ffi::F32>>(i);
     if (!values.has_value() || !y.has_value())
-      return ffi::Error::InvalidArgument("float-rows matmul: the weights and results must be arrays");
+      return ffi::Error::InvalidArgument("float-rows matmul: the weights must be arrays and the results float32 ones");
     auto w_dims = values->dimensions();
     const size_t rank = w_dims.size();
     if ((rank != 2 && rank != 3) || w_dims[rank - 1] != K)
       return ffi::Error::InvalidArgument("float-rows matmul: each weight must be [(L,) N, K] with x's K");
+    auto y_dims = (*y)->dimensions();
+    if (y_dims.size() != 2 || y_dims[0] != M || y_dims[1] != w_dims[rank - 2])
+      return ffi::Error::InvalidArgument("float-rows matmul: each result must be [M, N] of its weight's N");
     const auto t = values->element_type();
     if (t != ffi::DataType::U16 && t != ffi::DataType::BF16 && t != ffi::DataType::F16 && t != ffi::DataType::F32)
       return ffi::Error::InvalidArgument("float-rows matmul: weights must be bfloat16 (or its uint16 bits), float16 "
