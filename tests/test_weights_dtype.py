@@ -157,7 +157,8 @@ def test_several_weights_of_one_x_are_one_native_call(dtype):
     """`quantized_matmuls` of float rows (q, k and v; gate and up): one native call with a result per
     weight, each equal bit for bit to that weight's own `quantized_matmul` (the same kernel, the same
     sums), for a layer of a stack too; weights the kernel does not take together go one by one; and the
-    kernel refuses weights of two dtypes and more than 4 weights with a message."""
+    kernel refuses weights of two dtypes, more than 4 weights and a result of the wrong shape with a
+    message."""
     rng = np.random.default_rng(7)
     shapes = [(96, 4, 16), (96, 2, 16), (96, 2, 16)]  # [hidden, heads, head_dim]: q, k, v of a GQA layer
     stacks = [rng.standard_normal((3, *shape)).astype(np.float32) for shape in shapes]
