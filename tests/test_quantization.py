@@ -51,8 +51,8 @@ def test_int8_matmul_matches_float64(k, n, group, scale_dtype):
         ref = _reference(x, values, scales)
         np.testing.assert_allclose(np.asarray(matmul(x, w)), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
         for variant in native.available_variants()[1:] if rows in (1, 9) else ():  # the other builds (AVX2, portable)
-            call = jax.ffi.ffi_call(native.int8_matmul_target(variant), jax.ShapeDtypeStruct((rows, n), jnp.float32))
-            np.testing.assert_allclose(np.asarray(call(x, values, scales, np.int32(0))), ref, rtol=1e-5,
+            call = jax.ffi.ffi_call(native.int8_matmul_target(variant), [jax.ShapeDtypeStruct((rows, n), jnp.float32)])
+            np.testing.assert_allclose(np.asarray(call(x, np.int32(0), values, scales)[0]), ref, rtol=1e-5,
                                        atol=1e-5 * np.abs(ref).max(), err_msg=variant)
 
 
@@ -75,11 +75,12 @@ def test_a_layer_of_a_stack_is_read_in_place(kind):
             want = np.asarray(quantized_matmul(x, one))
             np.testing.assert_allclose(np.asarray(matmul(x, w, i)), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
     if native.available_variants():
-        if kind == "int8":
-            call = jax.ffi.ffi_call(native.int8_matmul_target(), jax.ShapeDtypeStruct((1, 40), jnp.float32))
-            operands = (x[:1], w.values, w.scales, np.int32(3))
-        else:  # x, layer, then the weights
-            call = jax.ffi.ffi_call(native.float_rows_matmul_target(), [jax.ShapeDtypeStruct((1, 40), jnp.float32)])
+        result = [jax.ShapeDtypeStruct((1, 40), jnp.float32)]
+        if kind == "int8":  # x, layer, then the weights (int8: values and scales)
+            call = jax.ffi.ffi_call(native.int8_matmul_target(), result)
+            operands = (x[:1], np.int32(3), w.values, w.scales)
+        else:
+            call = jax.ffi.ffi_call(native.float_rows_matmul_target(), result)
             operands = (x[:1], np.int32(3), w.values)
         with pytest.raises(Exception, match="layer out of range"):
             call(*operands)

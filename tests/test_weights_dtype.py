@@ -19,7 +19,7 @@ from jpaged.device.attention import native
 from jpaged.device.model import compute_logits
 from jpaged.device.params import BF16_BITS, cast_params, num_params, to_storage
 from jpaged.device.quant import (AMX_MAX_ROWS, NATIVE16_MAX_ROWS, NATIVE32_MAX_ROWS, QuantizedWeight, float_rows,
-                                 quantized_matmul, take_rows)
+                                 quantize, quantized_matmul, take_rows)
 
 on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU storage form of bfloat16 parameters")
 NUM_TOKENS = 16
@@ -152,19 +152,26 @@ def test_float_rows_matmul_matches_float64(k, n):
 
 
 @pytest.mark.skipif(not native.available_variants(), reason="the native kernel is not built")
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_several_weights_of_one_x_are_one_native_call(dtype):
-    """`quantized_matmuls` of float rows (q, k and v; gate and up): one native call with a result per
-    weight, each equal bit for bit to that weight's own `quantized_matmul` (the same kernel, the same
-    sums), for a layer of a stack too; weights the kernel does not take together go one by one; and the
-    kernel refuses weights of two dtypes, more than 4 weights and a result of the wrong shape with a
+@pytest.mark.parametrize("kind", ["bfloat16", "float32", "int8"])
+def test_several_weights_of_one_x_are_one_native_call(kind):
+    """`quantized_matmuls` of float rows or int8 weights (q, k and v; gate and up): one native call with a
+    result per weight, each equal bit for bit to that weight's own `quantized_matmul` (the same kernel, the
+    same sums), for a layer of a stack too; weights the kernel does not take together go one by one; and
+    the kernel refuses weights of two dtypes, more than 4 weights and a result of the wrong shape with a
     message."""
     rng = np.random.default_rng(7)
     shapes = [(96, 4, 16), (96, 2, 16), (96, 2, 16)]  # [hidden, heads, head_dim]: q, k, v of a GQA layer
     stacks = [rng.standard_normal((3, *shape)).astype(np.float32) for shape in shapes]
-    ws = [float_rows(jnp.asarray(a, dtype), shape, (0,)) for a, shape in zip(stacks, shapes)]
+
+    def weight(a, shape, kind):
+        if kind == "int8":  # k with Q8_0's blocks of 32 inputs, the others per channel
+            return quantize(a, shape, (0,), group_size=32 if shape == shapes[1] else None)
+        return float_rows(jnp.asarray(a, kind), shape, (0,))
+
+    ws = [weight(a, shape, kind) for a, shape in zip(stacks, shapes)]
     fused = jax.jit(lambda x, ws, i: quant.quantized_matmuls(x, [w.of_layer(i) for w in ws]))
     alone = jax.jit(lambda x, w, i: quantized_matmul(x, w.of_layer(i)))
+    name = "int8_matmul" if kind == "int8" else "float_rows_matmul"
     limit = min(quant.native_max_rows(w) for w in ws)
     for rows in (1, limit, limit + 1):
         x = rng.standard_normal((rows, 96)).astype(np.float32)
@@ -173,21 +180,28 @@ def test_several_weights_of_one_x_are_one_native_call(dtype):
             for g, w in zip(got, ws):
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(alone(x, w, layer)), err_msg=f"{rows} rows")
         hlo = fused.lower(x, ws, 0).as_text()
-        assert hlo.count("float_rows_matmul") == (1 if rows <= limit else 0), rows
-    mixed = [ws[0], float_rows(jnp.asarray(stacks[1], jnp.bfloat16 if dtype == jnp.float32 else jnp.float32),
-                               shapes[1], (0,))]
+        assert hlo.count(name) == (1 if rows <= limit else 0), rows
+    other = {"bfloat16": "float32", "float32": "bfloat16", "int8": "bfloat16"}[kind]
+    mixed = [ws[0], weight(stacks[1], shapes[1], other)]
     got = fused(x[:1], mixed, 1)  # two dtypes: one call each
-    assert fused.lower(x[:1], mixed, 1).as_text().count("float_rows_matmul") == 2
+    hlo = fused.lower(x[:1], mixed, 1).as_text()
+    assert hlo.count("int8_matmul") + hlo.count("float_rows_matmul") == 2
     for g, w in zip(got, mixed):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(alone(x[:1], w, 1)))
-    target = native.float_rows_matmul_target()
     out = jax.ShapeDtypeStruct((1, 32), jnp.float32)
-    with pytest.raises(Exception, match="share a dtype"):
-        jax.ffi.ffi_call(target, [out, out])(x[:1], np.int32(0), ws[1].values, mixed[1].values)
+    if kind == "int8":
+        target, operands = native.int8_matmul_target(), lambda *ws: [a for w in ws for a in (w.values, w.scales)]
+        half = ws[1].replace(scales=ws[1].scales.astype(jnp.float16))
+        with pytest.raises(Exception, match="share a dtype"):
+            jax.ffi.ffi_call(target, [out, out])(x[:1], np.int32(0), *operands(ws[1], half))
+    else:
+        target, operands = native.float_rows_matmul_target(), lambda *ws: [w.values for w in ws]
+        with pytest.raises(Exception, match="share a dtype"):
+            jax.ffi.ffi_call(target, [out, out])(x[:1], np.int32(0), *operands(ws[1], mixed[1]))
     with pytest.raises(Exception, match="1 to 4 weights"):
-        jax.ffi.ffi_call(target, [out] * 5)(x[:1], np.int32(0), *[ws[1].values] * 5)
+        jax.ffi.ffi_call(target, [out] * 5)(x[:1], np.int32(0), *operands(*[ws[1]] * 5))
     with pytest.raises(Exception, match="each result must be"):  # k's 32 channels, a result of 33
-        jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct((1, 33), jnp.float32)])(x[:1], np.int32(0), ws[1].values)
+        jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct((1, 33), jnp.float32)])(x[:1], np.int32(0), *operands(ws[1]))
 
 
 def assert_greedy_close(want, got, nats: float) -> None:

@@ -71,8 +71,9 @@ matrix first and reads it back (XNNPACK's dot), which many rows pay for once. Me
 faster than XLA's path for 1-8 rows, even at 32-64 rows, 2x slower at 128; the [576 x 49152] LM head:
 native 3-8x faster for 4-32 rows, even at 128 (a loaded machine: ratios, not times).
 
-Products of one `x` by several float-rows weights (q, k and v; gate and up: `quantized_matmuls`) are one
-native call with a result per weight, where the kernel takes each of them: 4 calls a layer instead of 7.
+Products of one `x` by several weights (q, k and v; gate and up: `quantized_matmuls`), float rows of one dtype
+or int8 ones, are one native call with a result per weight, where the kernel takes each of them: 4 calls a
+layer instead of 7.
 Each call ends with the calling thread waiting for its helpers' last items, and a decode step of one row
 is a chain of such calls. Measured on an AMD EPYC with AVX-512 (2 cores; `LLM.generate`, 128 tokens, one
 prompt, 3 alternating rounds, median ms a token): bfloat16 12.26 / 11.96 / 12.46 one call a weight,
@@ -289,60 +290,83 @@ def quantized_matmul(x, w: QuantizedWeight) -> jax.Array:
     layer of a stack (`of_layer`): the native kernel reads that layer in place; XLA's path slices it out."""
     if w.values.ndim != (2 if w.layer is None else 3):
         raise ValueError(f"a matmul takes one layer's weight, not a stack of shape {w.values.shape}")
-    num_in = len(w.in_axes)
-    batch = x.shape[:x.ndim - num_in]
-    out_shape = tuple(w.logical_shape[a] for a in _out_axes(w))
-    n_out, n_in = w.values.shape[-2:]
-    layer = jnp.asarray(0 if w.layer is None else w.layer, jnp.int32)
+    n_in = w.values.shape[-1]
+    rows = x.reshape(-1, n_in).astype(w.dtype)
     sliced = lambda a: a if w.layer is None else a[w.layer]  # noqa: E731
-    if w.is_float:
-        rows = x.reshape(-1, n_in).astype(w.dtype)
-        if _float_rows_target() is not None and rows.shape[0] <= native_max_rows(w):
-            y, = _float_rows_call(rows, layer, [w])
-        else:  # XLA's bf16 x bf16 -> f32 dot, contracting the rows' last axis
-            y = jax.lax.dot_general(rows, _bf16(sliced(w.values)), (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-        return y.reshape(*batch, *out_shape)
-    rows = x.reshape(-1, n_in).astype(jnp.float32)
-    target = _native_target() if rows.shape[0] <= native_max_rows(w) else None
-    if target is not None:
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n_out), jnp.float32))
-        y = call(rows, w.values, w.scales, layer)
+    if _native_call(w) is not None and rows.shape[0] <= native_max_rows(w):
+        y, = _native_call(w)(rows, _layer(w), [w])
+    elif w.is_float:  # XLA's bf16 x bf16 -> f32 dot (or f32's), contracting the rows' last axis
+        y = jax.lax.dot_general(rows, _bf16(sliced(w.values)), (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
     else:
         y = jnp.dot(rows, dequantize_rows(sliced(w.values), sliced(w.scales)).T, preferred_element_type=jnp.float32)
-    return y.reshape(*batch, *out_shape)
+    return y.reshape(*_batch(x, w), *_out_shape(w))
 
 
 def quantized_matmuls(x, ws) -> list:
     """`[quantized_matmul(x, w) for w in ws]`, the products of one `x` by several weights (q, k and v; gate
-    and up), as one native call where the kernel takes each of them (float rows of one dtype, the same
-    contracted axes and layer, at most `native_max_rows` rows of every weight, at most 4 weights): one
-    wait for XLA's threads instead of one a weight (the calling thread waits for its helpers' last items
-    at the end of each call: `csrc/work_list.h`). Otherwise one `quantized_matmul` each."""
+    and up), as one native call where the kernel takes them together (all float rows of one dtype, or all
+    int8 with scales of one dtype; the same contracted axes and layer; at most `native_max_rows` rows of
+    every weight; at most 4 weights): one wait for XLA's threads instead of one a weight (the calling
+    thread waits for its helpers' last items at the end of each call: `csrc/work_list.h`). Otherwise one
+    `quantized_matmul` each."""
     ws = list(ws)
     first = ws[0]
-    fused = (1 < len(ws) <= 4 and all(isinstance(w, QuantizedWeight) and w.is_float for w in ws)
-             and all(w.values.dtype == first.values.dtype and w.in_axes == first.in_axes
+    fused = (1 < len(ws) <= 4 and all(isinstance(w, QuantizedWeight) for w in ws)
+             and all(w.is_float == first.is_float and w.values.dtype == first.values.dtype
+                     and (w.is_float or w.scales.dtype == first.scales.dtype) and w.in_axes == first.in_axes
                      and w.values.shape[-1] == first.values.shape[-1] and w.values.ndim == first.values.ndim
                      and w.layer is first.layer for w in ws))
     if fused:
-        num_in = len(first.in_axes)
-        batch = x.shape[:x.ndim - num_in]
         rows = x.reshape(-1, first.values.shape[-1]).astype(first.dtype)
-        fused = (first.values.ndim == (2 if first.layer is None else 3) and _float_rows_target() is not None
+        fused = (first.values.ndim == (2 if first.layer is None else 3) and _native_call(first) is not None
                  and rows.shape[0] <= min(native_max_rows(w) for w in ws))
     if not fused:
         return [quantized_matmul(x, w) for w in ws]
-    ys = _float_rows_call(rows, jnp.asarray(0 if first.layer is None else first.layer, jnp.int32), ws)
-    return [y.reshape(*batch, *(w.logical_shape[a] for a in _out_axes(w))) for y, w in zip(ys, ws)]
+    ys = _native_call(first)(rows, _layer(first), ws)
+    return [y.reshape(*_batch(x, w), *_out_shape(w)) for y, w in zip(ys, ws)]
+
+
+def _batch(x, w: QuantizedWeight) -> tuple:
+    """The leading axes of `x` that a product by `w` keeps (those before its contracted ones)."""
+    return x.shape[:x.ndim - len(w.in_axes)]
+
+
+def _out_shape(w: QuantizedWeight) -> tuple:
+    """The logical axes a product by `w` yields, in order."""
+    return tuple(w.logical_shape[a] for a in _out_axes(w))
+
+
+def _layer(w: QuantizedWeight) -> jax.Array:
+    """The int32 layer the native kernels read of `w` (0 for an unstacked weight)."""
+    return jnp.asarray(0 if w.layer is None else w.layer, jnp.int32)
+
+
+def _native_call(w: QuantizedWeight):
+    """The native kernel's call for weights like `w` (`_float_rows_call` or `_int8_call`), or None where
+    it cannot run (not a CPU, not built)."""
+    if w.is_float:
+        return _float_rows_call if _float_rows_target() is not None else None
+    return _int8_call if _native_target() is not None else None
 
 
 def _float_rows_call(rows, layer, ws) -> list:
     """The native float-rows kernel on `rows` [M, in] (already in the weights' compute dtype) and the float
     rows `ws`, of layer `layer` where they are stacks: f32[M, out] for each weight."""
-    call = jax.ffi.ffi_call(_float_rows_target(), [jax.ShapeDtypeStruct((rows.shape[0], w.values.shape[-2]),
-                                                                        jnp.float32) for w in ws])
+    call = jax.ffi.ffi_call(_float_rows_target(), _results(rows, ws))
     return call(rows.astype(jnp.float32), layer, *(w.values for w in ws))
+
+
+def _int8_call(rows, layer, ws) -> list:
+    """The native int8 kernel on float32 `rows` [M, in] and the int8 weights `ws` (scales of one dtype), of
+    layer `layer` where they are stacks: f32[M, out] for each weight."""
+    call = jax.ffi.ffi_call(_native_target(), _results(rows, ws))
+    return call(rows, layer, *(a for w in ws for a in (w.values, w.scales)))
+
+
+def _results(rows, ws) -> list:
+    """The native kernels' results for `rows` [M, in] by each weight of `ws`: f32[M, out]."""
+    return [jax.ShapeDtypeStruct((rows.shape[0], w.values.shape[-2]), jnp.float32) for w in ws]
 
 
 def native_max_rows(w: QuantizedWeight) -> int:

@@ -6,14 +6,17 @@
 // JpagedInt8Matmul, operands (see jpaged/device/quant.py, which flattens a parameter's logical layout
 // to these):
 //   x       f32[M, K]            activations, M rows
-//   values  s8[(L,) N, K]        the weight, one output channel per row (GGUF's / torch's [out, in]),
-//                                or a stack of L layers' weights
-//   scales  f32 or f16 [(L,) N, K/G]  one scale per group of G consecutive input columns of a channel
-//                                (G = K: per output channel; G = 32: GGUF's Q8_0 blocks)
 //   layer   s32[]                which layer of a stack to use (0 for a 2-D weight; out of range: an
-//                                error). A layer scan hands the kernel the stack and its index: a slice
-//                                of the stack would be a copy of the layer's weights on XLA's CPU backend.
-// Result: f32[M, N], y[m, n] = sum_g scales[n, g] * sum_{k in group g} values[n, k] * x[m, k].
+//                                error), the same layer of every weight. A layer scan hands the kernel the
+//                                stack and its index: a slice of the stack would be a copy of the layer's
+//                                weights on XLA's CPU backend.
+//   then 1 to 4 weights, each two operands, their scales all of one dtype:
+//   values  s8[(L,) N_i, K]      the weight, one output channel per row (GGUF's / torch's [out, in]),
+//                                or a stack of L layers' weights
+//   scales  f32 or f16 [(L,) N_i, K/G_i]  one scale per group of G_i consecutive input columns of a
+//                                channel (G_i = K: per output channel; G_i = 32: GGUF's Q8_0 blocks)
+// Results: f32[M, N_i] for each weight, y_i[m, n] = sum_g scales_i[n, g] * sum_{k in group g} values_i[n, k]
+// * x[m, k]. Several weights of one x (q, k and v; gate and up) are one call, as for the float rows.
 //
 // JpagedFloatRowsMatmul, operands:
 //   x       f32[M, K]            activations, M rows
@@ -25,6 +28,7 @@
 // and sums), where x' is x rounded to bfloat16 for bfloat16 weights (a bf16 x bf16 -> f32 dot, as on the
 // AMX tiles), x itself for float16 and float32 ones. Several weights of one x (q, k and v; gate and up) are
 // one call: one wait for the threads instead of several (`jpaged.device.quant.quantized_matmuls`).
+// Both handlers check every operand and result shape against x and the layer before reading any.
 //
 // Each weight is read once per call from memory: kLanes at a time (one register: lanes.h), widened to
 // float32 (and scaled) in registers (bfloat16: a 16-bit shift), then multiplied into up to 8 rows of x
@@ -43,6 +47,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -487,31 +492,62 @@ int64_t LayerOffset(ffi::Span<const int64_t> dims, ffi::Buffer<ffi::S32>& layer)
   return id < 0 || id >= L ? -1 : id * dims[dims.size() - 2] * dims[dims.size() - 1];
 }
 
-ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> values,
-                      ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+// Result i of a call, checked to be f32[M, N] (a smaller buffer would be written past its end): its data in
+// `y`; else an error naming `kernel`.
+ffi::Error CheckedResult(ffi::RemainingRets& results, int i, int64_t M, int64_t N, const std::string& kernel,
+                         float** y) {
+  auto result = results.get<ffi::Buffer<ffi::F32>>(i);
+  if (!result.has_value()) return ffi::Error::InvalidArgument(kernel + ": the results must be float32 arrays");
+  auto dims = (*result)->dimensions();
+  if (dims.size() != 2 || dims[0] != M || dims[1] != N)
+    return ffi::Error::InvalidArgument(kernel + ": each result must be [M, N] of its weight's N");
+  *y = (*result)->typed_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                      ffi::RemainingArgs weights, ffi::RemainingRets results) {
   auto x_dims = x.dimensions();
-  auto w_dims = values.dimensions();
-  auto s_dims = scales.dimensions();
-  const size_t rank = w_dims.size();
-  if (x_dims.size() != 2 || (rank != 2 && rank != 3) || s_dims.size() != rank)
-    return ffi::Error::InvalidArgument("int8 matmul: x must be [M, K], values [(L,) N, K], scales [(L,) N, K / G]");
-  const int64_t M = x_dims[0], K = x_dims[1], N = w_dims[rank - 2], groups = s_dims[rank - 1];
-  if (w_dims[rank - 1] != K || s_dims[rank - 2] != N || groups < 1 || K % groups != 0 ||
-      (rank == 3 && s_dims[0] != w_dims[0]))
-    return ffi::Error::InvalidArgument("int8 matmul: values must be [(L,) N, K] with x's K, and scales [(L,) N, K / G] "
-                                       "with G dividing K");
-  const auto type = scales.element_type();
-  if (type != ffi::DataType::F32 && type != ffi::DataType::F16)
-    return ffi::Error::InvalidArgument("int8 matmul: scales must be float32 or float16");
-  const int64_t offset = LayerOffset(w_dims, layer);
-  if (offset < 0) return ffi::Error::InvalidArgument("int8 matmul: layer out of range");
-  const int64_t scale_offset = offset / K * groups, scale_size = type == ffi::DataType::F16 ? 2 : 4;
+  if (x_dims.size() != 2) return ffi::Error::InvalidArgument("int8 matmul: x must be [M, K]");
+  const int64_t M = x_dims[0], K = x_dims[1];
+  const int count = static_cast<int>(weights.size() / 2);
+  if (weights.size() % 2 != 0 || count < 1 || count > Work::kMaxProblems || results.size() != static_cast<size_t>(count))
+    return ffi::Error::InvalidArgument("int8 matmul: 1 to 4 weights, each values then scales, one result each");
   auto work = std::make_shared<Work>();
-  work->problems[0] = Problem{x.typed_data(), values.typed_data() + offset,
-                          static_cast<const char*>(scales.untyped_data()) + scale_offset * scale_size, M, N, K,
-                          K / groups, y->typed_data()};
-  work->tile = type == ffi::DataType::F16 ? Tile<int8_t, _Float16> : Tile<int8_t, float>;
+  work->num_problems = count;
   work->row_chunk = M;
+  ffi::DataType type = ffi::DataType::INVALID;
+  for (int i = 0; i < count; ++i) {
+    auto values = weights.get<ffi::Buffer<ffi::S8>>(2 * i);
+    auto scales = weights.get<ffi::AnyBuffer>(2 * i + 1);
+    if (!values.has_value() || !scales.has_value())
+      return ffi::Error::InvalidArgument("int8 matmul: each weight's values must be int8");
+    auto w_dims = values->dimensions();
+    auto s_dims = scales->dimensions();
+    const size_t rank = w_dims.size();
+    if ((rank != 2 && rank != 3) || s_dims.size() != rank)
+      return ffi::Error::InvalidArgument("int8 matmul: x must be [M, K], values [(L,) N, K], scales [(L,) N, K / G]");
+    const int64_t N = w_dims[rank - 2], groups = s_dims[rank - 1];
+    if (w_dims[rank - 1] != K || s_dims[rank - 2] != N || groups < 1 || K % groups != 0 ||
+        (rank == 3 && s_dims[0] != w_dims[0]))
+      return ffi::Error::InvalidArgument("int8 matmul: values must be [(L,) N, K] with x's K, and scales [(L,) N, K / G] "
+                                         "with G dividing K");
+    const auto t = scales->element_type();
+    if (t != ffi::DataType::F32 && t != ffi::DataType::F16)
+      return ffi::Error::InvalidArgument("int8 matmul: scales must be float32 or float16");
+    if (i > 0 && t != type)
+      return ffi::Error::InvalidArgument("int8 matmul: the scales of one call must share a dtype");
+    type = t;
+    const int64_t offset = LayerOffset(w_dims, layer);
+    if (offset < 0) return ffi::Error::InvalidArgument("int8 matmul: layer out of range");
+    float* y = nullptr;
+    if (auto error = CheckedResult(results, i, M, N, "int8 matmul", &y); error.failure()) return error;
+    const int64_t scale_offset = offset / K * groups, scale_size = t == ffi::DataType::F16 ? 2 : 4;
+    work->problems[i] = Problem{x.typed_data(), values->typed_data() + offset,
+                                static_cast<const char*>(scales->untyped_data()) + scale_offset * scale_size, M, N, K,
+                                K / groups, y};
+  }
+  work->tile = type == ffi::DataType::F16 ? Tile<int8_t, _Float16> : Tile<int8_t, float>;
   return Run(pool, std::move(work));
 }
 
@@ -529,16 +565,14 @@ ffi::Error FloatRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   ffi::DataType type = ffi::DataType::INVALID;
   for (int i = 0; i < count; ++i) {
     auto values = weights.get<ffi::AnyBuffer>(i);
-    auto y = results.get<ffi::Buffer<ffi::F32>>(i);
-    if (!values.has_value() || !y.has_value())
-      return ffi::Error::InvalidArgument("float-rows matmul: the weights must be arrays and the results float32 ones");
+    if (!values.has_value()) return ffi::Error::InvalidArgument("float-rows matmul: the weights must be arrays");
     auto w_dims = values->dimensions();
     const size_t rank = w_dims.size();
     if ((rank != 2 && rank != 3) || w_dims[rank - 1] != K)
       return ffi::Error::InvalidArgument("float-rows matmul: each weight must be [(L,) N, K] with x's K");
-    auto y_dims = (*y)->dimensions();
-    if (y_dims.size() != 2 || y_dims[0] != M || y_dims[1] != w_dims[rank - 2])
-      return ffi::Error::InvalidArgument("float-rows matmul: each result must be [M, N] of its weight's N");
+    float* y = nullptr;
+    if (auto error = CheckedResult(results, i, M, w_dims[rank - 2], "float-rows matmul", &y); error.failure())
+      return error;
     const auto t = values->element_type();
     if (t != ffi::DataType::U16 && t != ffi::DataType::BF16 && t != ffi::DataType::F16 && t != ffi::DataType::F32)
       return ffi::Error::InvalidArgument("float-rows matmul: weights must be bfloat16 (or its uint16 bits), float16 "
@@ -552,7 +586,7 @@ ffi::Error FloatRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     work->problems[i] = Problem{x.typed_data(),
                                 static_cast<const char*>(values->untyped_data()) +
                                     offset * (t == ffi::DataType::F32 ? 4 : 2),
-                                nullptr, M, w_dims[rank - 2], K, K, (*y)->typed_data()};
+                                nullptr, M, w_dims[rank - 2], K, K, y};
   }
   const bool f32 = type == ffi::DataType::F32, bf16 = type == ffi::DataType::U16 || type == ffi::DataType::BF16;
   work->tile = f32 ? Tile<float, NoScale> : bf16 ? Tile<Bf16, NoScale> : Tile<_Float16, NoScale>;
@@ -594,10 +628,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedInt8Matmul, Int8Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // values
-                                  .Arg<ffi::AnyBuffer>()         // scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()               // values (s8), scales (f32 or f16), per weight
+                                  .RemainingRets());             // y: f32, one per weight
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedFloatRowsMatmul, FloatRowsMatmul,
                               ffi::Ffi::Bind()
