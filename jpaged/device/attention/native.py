@@ -17,9 +17,9 @@ time the portable library says which of the others this CPU can run (`available_
 the best is registered with `jax.ffi.register_ffi_target`. A machine without a compiler installs
 without them; `get_backend('auto')` then falls back to the XLA path and logs one line saying so.
 
-The same libraries hold the few-row weight matmuls (`csrc/int8_matmul.cc`: `int8_matmul_target`, and
-`float_rows_matmul_target` for float rows: bfloat16, float16 or float32 weights without scales, up to 4
-weights of the same activations in one call), which `jpaged.device.quant` calls for few-row products of
+The same libraries hold the few-row weight matmuls (`csrc/int8_matmul.cc`: `int8_matmul_target` for int8
+weights with scales, and `float_rows_matmul_target` for float rows: bfloat16, float16 or float32 weights
+without scales; each takes up to 4 weights of the same activations in one call), which `jpaged.device.quant` calls for few-row products of
 int8, bfloat16 and float32 parameters; on a CPU with AMX-BF16 the AVX-512 library runs bfloat16 products
 on AMX tiles (`amx_bf16`).
 
@@ -107,8 +107,9 @@ def target_name(variant: str = "auto", handler: str = _HANDLER) -> str:
 
 
 def int8_matmul_target(variant: str = "auto") -> str:
-    """The FFI target of the int8 weight matmul (`csrc/int8_matmul.cc`, in the same libraries; used by
-    `jpaged.device.quant`), registered once."""
+    """The FFI target of the int8 weight matmul (operands x, layer, then 1 to 4 weights as values and scales,
+    one result each; `csrc/int8_matmul.cc`, in the same libraries; used by `jpaged.device.quant`),
+    registered once."""
     return target_name(variant, _INT8_HANDLER)
 
 
