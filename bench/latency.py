@@ -72,7 +72,7 @@ def jpaged_command(width: str, port: int, ggufs: dict[str, Path], args) -> list[
     return [sys.executable, "-m", "jpaged.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", MODEL, *model, "--max-num-seqs", str(max(args.concurrency)),
             "--max-num-batched-tokens", "2048", "--kv-cache-memory", "1GiB", "--compile-cache", args.compile_cache,
-            *(["--async-scheduling"] if args.async_scheduling else [])]
+            "--async-scheduling" if args.async_scheduling else "--no-async-scheduling"]
 
 
 def measure(base: str, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -228,7 +228,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--llama-omp-wait-policy", default=peer_common.LLAMA_OMP_WAIT_POLICY, choices=("active", "passive"),
                     help="llama-server's OMP_WAIT_POLICY (see bench/peers/common.py)")
     ap.add_argument("--async-scheduling", action="store_true",
-                    help="jpaged serve --async-scheduling: the host overlapped with the device (`latency_async*`)")
+                    help="jpaged serve --async-scheduling (its default): the host overlapped with the device "
+                    "(`latency_async*`); without it, jpaged serve --no-async-scheduling")
     ap.add_argument("--llama-cpp-dir", default=None, help="llama.cpp build folder (default: build_llama_cpp.sh's)")
     ap.add_argument("--gguf-dir", type=Path, default=make_gguf.DEFAULT_OUT)
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR)

@@ -168,6 +168,21 @@ def test_serve_warms_up_by_default_with_its_time_printed(default_model, monkeypa
         "[jpaged] warmed up in 4.2 s: 3 executables (3 built, 1 from the compilation cache)") in err, err
     assert cli.main([*argv, "--no-warm-up"]) == 0
     assert len(served) == 2 and len(warmed) == 1 and "warm" not in capsys.readouterr().err
+    # one process schedules asynchronously unless told not to (as vLLM serves)
+    assert served[0].config.async_scheduling and served[1].config.async_scheduling
+    assert cli.main([*argv, "--no-warm-up", "--no-async-scheduling"]) == 0
+    assert not served[2].config.async_scheduling
+
+
+def test_async_scheduling_is_serves_default_in_one_process_only():
+    """`--[no-]async-scheduling` wins; unset, `jpaged serve` in one process schedules asynchronously, `jpaged
+    generate` and a process of several synchronously."""
+    parser = cli.build_parser()
+    several = ["--coordinator-address", "127.0.0.1:29500", "--num-processes", "2", "--process-id", "1"]
+    for argv, want in ((["serve"], True), (["serve", "--no-async-scheduling"], False), (["generate", "hi"], False),
+                       (["generate", "hi", "--async-scheduling"], True), (["serve", *several], False),
+                       (["serve", *several, "--async-scheduling"], True)):
+        assert cli.async_scheduling(parser.parse_args(argv)) is want, argv
 
 
 def test_compile_cache_flag(monkeypatch, tmp_path):

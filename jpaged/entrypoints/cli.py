@@ -172,9 +172,10 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--swap-space", type=float, default=4.0, metavar="GiB",
                         help="GiB of CPU block pool for --preemption-mode swap (capped at the device pool's size)")
     parser.add_argument("--enable-prefix-caching", action="store_true", help="reuse the KV blocks of shared prompt prefixes")
-    parser.add_argument("--async-scheduling", action="store_true",
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule and pack the next decode step while one runs, reading its tokens a step late "
-                        "(the same outputs; EngineConfig.async_scheduling)")
+                        "(the same outputs; EngineConfig.async_scheduling); default: on for jpaged serve in one "
+                        "process, off otherwise")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="devices to split the model and the KV pool over by heads (on a CPU, force devices "
                         "with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
@@ -228,6 +229,15 @@ def check_swap_space(args) -> None:
         raise ValueError(f"swap_space must be >= 0 GiB, got {args.swap_space:g}: pass --swap-space 0 or more")
 
 
+def async_scheduling(args) -> bool:
+    """`--[no-]async-scheduling`; by default on for `jpaged serve` in one process (as vLLM serves; one stream
+    faster on a 2-core CPU: `bench/README.md`), off for `generate` and for several processes (whose lockstep
+    is tested stepping synchronously)."""
+    if args.async_scheduling is not None:
+        return args.async_scheduling
+    return args.command == "serve" and not several_processes(args)
+
+
 def engine_config(args):
     """The `EngineConfig` the options ask for; every option checked here, before anything loads."""
     from jpaged.engine import EngineConfig
@@ -246,7 +256,7 @@ def engine_config(args):
                         preemption_mode=args.preemption_mode,
                         swap_space=args.swap_space if args.preemption_mode == "swap" else 0.0,
                         enable_prefix_caching=args.enable_prefix_caching,
-                        async_scheduling=args.async_scheduling,
+                        async_scheduling=async_scheduling(args),
                         tensor_parallel_size=args.tensor_parallel_size,
                         data_parallel_size=args.data_parallel_size)
 
