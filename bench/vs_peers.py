@@ -309,8 +309,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hf-batch-sizes", default=None, help="default 1,16 (--quick 16); run largest first")
     ap.add_argument("--hf-b1-requests", type=int, default=None,
                     help="run HF batch 1 on only the first N requests (default: all; batch 1 is the slowest peer)")
-    ap.add_argument("--jpaged-dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="jpaged's (and jpaged-xla's) weights and KV cache; llama.cpp gets the GGUF of this width")
+    ap.add_argument("--jpaged-dtype", default="float32", choices=("float32", "bfloat16", "int8"),
+                    help="jpaged's (and jpaged-xla's) weights and KV cache; llama.cpp gets the GGUF of this width "
+                    "(int8: jpaged's quantization int8 of make_gguf.py's Q8_0 file, float32 KV cache; llama.cpp "
+                    "that file)")
     ap.add_argument("--llama-cpp-slots", default="8,16,32", help="llama-server slot counts (one server each)")
     ap.add_argument("--llama-cpp-dir", default=None, help="llama.cpp build folder (default: build_llama_cpp.sh's)")
     ap.add_argument("--jpaged-engine-args", default="", help="JSON of extra jpaged EngineConfig fields, e.g. "
@@ -361,6 +363,11 @@ def main(argv=None) -> dict:
 
     gguf = str(default_model_path())
     jpaged_args = {"engine_args": json.loads(args.jpaged_engine_args)} if args.jpaged_engine_args else {}
+    jpaged_dtype = args.jpaged_dtype
+    if jpaged_dtype == "int8":  # the Q8_0 file's int8 weights, as bench/latency.py serves them
+        q8 = make_gguf.ensure(llama_dir=args.llama_cpp_dir, verify=False)["Q8_0"]
+        jpaged_args = {"engine_args": {**jpaged_args.get("engine_args", {}), "model": str(q8), "quantization": "int8"}}
+        jpaged_dtype = "float32"
     settings_extra = {"jpaged_engine_args": jpaged_args.get("engine_args", {}), "jpaged_dtype": args.jpaged_dtype,
                       "llama_cpp_slots": args.llama_cpp_slots, "vllm_omp_bind": args.vllm_omp_bind,
                       "vllm_kv_cache_space_gib": args.vllm_kv_cache_gib, "vllm_prefix_caching": args.vllm_prefix_caching,
@@ -450,12 +457,12 @@ def main(argv=None) -> dict:
             if args.rounds > 1:
                 print(f"=== round {k + 1} of {args.rounds}", file=sys.stderr, flush=True)
             results["jpaged"] = run("jpaged", sys.executable, "jpaged_peer.py",
-                                    {**base, "dtype": args.jpaged_dtype, "kv_cache_memory": "1GiB", **jpaged_args}, k)
+                                    {**base, "dtype": jpaged_dtype, "kv_cache_memory": "1GiB", **jpaged_args}, k)
             write_report()
             if "jpaged-xla" in peers:  # the same engine with attention on the XLA path: what the native kernel moved
                 xla_args = {**jpaged_args.get("engine_args", {}), "attention_backend": "xla"}
                 results["jpaged-xla"] = run("jpaged-xla", sys.executable, "jpaged_peer.py",
-                                            {**base, "dtype": args.jpaged_dtype, "kv_cache_memory": "1GiB",
+                                            {**base, "dtype": jpaged_dtype, "kv_cache_memory": "1GiB",
                                              "engine_args": xla_args}, k)
                 write_report()
             if "vllm" in peers and "vllm" not in once:
