@@ -164,7 +164,7 @@ def test_several_weights_of_one_x_are_one_native_call(kind):
     stacks = [rng.standard_normal((3, *shape)).astype(np.float32) for shape in shapes]
 
     def weight(a, shape, kind):
-        if kind == "int8":  # k with Q8_0's blocks of 32 inputs, the others per channel
+        if kind == "int8":  # k and v with Q8_0's blocks of 32 inputs, q per channel
             return quantize(a, shape, (0,), group_size=32 if shape == shapes[1] else None)
         return float_rows(jnp.asarray(a, kind), shape, (0,))
 

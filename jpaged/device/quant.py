@@ -295,8 +295,9 @@ def quantized_matmul(x, w: QuantizedWeight) -> jax.Array:
     n_in = w.values.shape[-1]
     rows = x.reshape(-1, n_in).astype(w.dtype)
     sliced = lambda a: a if w.layer is None else a[w.layer]  # noqa: E731
-    if _native_call(w) is not None and rows.shape[0] <= native_max_rows(w):
-        y, = _native_call(w)(rows, _layer(w), [w])
+    call = _native_call(w)
+    if call is not None and rows.shape[0] <= native_max_rows(w):
+        y, = call(rows, _layer(w), [w])
     elif w.is_float:  # XLA's bf16 x bf16 -> f32 dot (or f32's), contracting the rows' last axis
         y = jax.lax.dot_general(rows, _bf16(sliced(w.values)), (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)
