@@ -68,7 +68,8 @@ def cpu_info() -> dict:
 
 
 def machine_info(packages=PACKAGES) -> dict:
-    """Python, library versions, platform, CPU count, load average, date, git state."""
+    """Python, library versions, platform, CPU count, load average, date, git state; with JAX loaded, its
+    backend and devices and the native kernels' variant (`native_info`)."""
     info = dict(python=sys.version.split()[0], platform=platform.platform(),
                 machine=platform.machine(), processor=platform.processor() or None,
                 cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -79,8 +80,20 @@ def machine_info(packages=PACKAGES) -> dict:
         jax = sys.modules["jax"]
         info["jax_backend"] = jax.default_backend()
         info["jax_devices"] = [str(d) for d in jax.devices()]
+        info["native"] = native_info()
     info["cpu"] = cpu_info()
     return info
+
+
+def native_info() -> dict:
+    """jpaged's native CPU kernels here: the libraries built and runnable on this CPU, best first
+    (`variants`), the one jpaged runs by default (`variant`: the first; None: the XLA paths only), and
+    whether its 16-bit weight products run on AMX tiles. Imports JAX (through jpaged's native module)."""
+    from jpaged.device.attention import native
+
+    variants = native.available_variants()
+    return {"variants": list(variants), "variant": variants[0] if variants else None,
+            "amx_bf16": native.amx_bf16()}
 
 
 def jsonable(x):

@@ -51,6 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.peers.common import versions as peer_versions  # noqa: E402  (stdlib only: shared with the peer venvs)
 from bench.common import cpu_info as machine_info  # noqa: E402  (the CPU: model, ISA, AMX)
+from bench.common import native_info  # noqa: E402
 from bench.peers import make_gguf  # noqa: E402
 from bench.traces import ALPACA_SEED_PROMPTS, load_alpaca_prompts  # noqa: E402
 
@@ -353,7 +354,7 @@ def main(argv=None) -> dict:
 
     reuse = {x for x in args.reuse.split(",") if x}
     started = time.time()
-    machine = machine_info()
+    machine = {**machine_info(), "native": native_info()}  # the CPU, and jpaged's native kernels' variant
     prompts, prompt_ids, tokenizer = load_requests()
     if max(num_requests) > len(prompts):
         raise SystemExit(f"only {len(prompts)} prompts")
