@@ -56,6 +56,26 @@ def test_int8_matmul_matches_float64(k, n, group, scale_dtype):
                                        atol=1e-5 * np.abs(ref).max(), err_msg=variant)
 
 
+def test_int8_rows_do_not_depend_on_the_threads():
+    """One or two rows run on the calling thread alone, more rows split their output channels between
+    threads (`kInt8SoloMaxRows` in csrc/int8_matmul.cc): a row's product is the same bits either way,
+    and matches the float64 reference, over enough channels for many work items."""
+    if not native.available_variants():
+        pytest.skip("native kernels not built here")
+    rng = np.random.default_rng(3)
+    n, k = 700, 160
+    values = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    scales = (rng.random((n, k // 32)) * 0.02 + 0.001).astype(np.float16)
+    w = QuantizedWeight(jnp.asarray(values), jnp.asarray(scales), (k, n), (0,))
+    x = rng.standard_normal((8, k)).astype(np.float32)
+    matmul = jax.jit(quantized_matmul)
+    batched = np.asarray(matmul(x, w))
+    ref = _reference(x, values, scales)
+    np.testing.assert_allclose(batched, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    for rows in (1, 2):
+        np.testing.assert_array_equal(np.asarray(matmul(x[:rows], w)), batched[:rows])
+
+
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])
 def test_a_layer_of_a_stack_is_read_in_place(kind):
     """A layer of a stacked weight (`of_layer`: what the layer scan hands the native kernels, which read

@@ -33,8 +33,8 @@
 // Each weight is read once per call from memory: kLanes at a time (one register: lanes.h), widened to
 // float32 (and scaled) in registers (bfloat16: a 16-bit shift), then multiplied into up to 8 rows of x
 // (float32 accumulation). Output channels are split in tiles between the calling thread and XLA's
-// intra-op threads; inside a tile, rows go in chunks of up to 8, so a tile's weights are reused from
-// cache by every chunk.
+// intra-op threads (int8 weights by one or two rows: the calling thread alone); inside a tile, rows go
+// in chunks of up to 8, so a tile's weights are reused from cache by every chunk.
 //
 // Built into the same per-instruction-set libraries as paged_attention.cc (setup.py), with GCC's
 // vector extensions: the variants differ only in their vector width and the instructions the
@@ -78,6 +78,15 @@ namespace {
 
 constexpr int kMaxRows = 8;   // rows of x per pass over a tile's weights
 constexpr int64_t kTile = 32; // output channels per work item
+// int8 products of up to kInt8SoloMaxRows rows run on the calling thread alone (no helper is scheduled). At
+// so few rows the int8 kernel widens and scales each weight for one or two multiplies, and a second thread
+// made it slower, not faster: measured on an AMD EPYC (2 cores, AVX-512), the default model's 121 one-row
+// products as a chain of dependent calls (Q8_0 layout), 6.0-6.9 ms with XLA's intra-op helper, 5.0-5.2 alone;
+// per-channel scales 5.6-6.6 against 4.2-4.5; two rows 8.6-9.0 against 6.6-7.0; at four rows the helper won
+// (10.2-10.6 against 11.8-12.1) and at eight by 1.55x. A single 18.8 MB int8 call of one row was faster alone
+// too (27-32 against 25-28 GB/s), so it is not the helper's wake-up alone. Float rows keep their helper (the
+// bfloat16 chain: 8.2-8.5 ms with it, 9.6-9.8 alone).
+constexpr int64_t kInt8SoloMaxRows = 2;
 
 struct Bf16 {  // a bfloat16 weight, as its bit pattern
   uint16_t bits;
@@ -436,6 +445,7 @@ struct Work {
   int num_problems = 1;
   void (*tile)(const Problem&, int64_t, int64_t, int64_t, int64_t);  // Tile<W, S> or AmxTile
   int64_t row_chunk;  // rows per item (M: one chunk)
+  bool solo = false;  // the calling thread takes every item (kInt8SoloMaxRows)
   int64_t tile_channels[kMaxProblems] = {kTile, kTile, kTile, kTile};  // channels per item, per problem
   void (*pack)(const Problem&, int64_t) = nullptr;  // packs one block of x's rows into problems[0].packed
   int64_t pack_blocks = 0;
@@ -468,7 +478,7 @@ struct Work {
 };
 
 // Runs `work` (its problems, tile function and row chunk set) on the calling thread and XLA's intra-op
-// threads.
+// threads, or on the calling thread alone where `work->solo`.
 ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
   if (work->problems[0].M == 0) return ffi::Error::Success();
   const int64_t chunks = (work->problems[0].M + work->row_chunk - 1) / work->row_chunk;
@@ -478,7 +488,7 @@ ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
   }
   work->items = work->first_item[work->num_problems];
   if (work->items == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->items) - 1;
+  const int64_t helpers = work->solo ? 0 : std::min<int64_t>(pool.num_threads(), work->items) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
   work->Drain();
   AwaitItems(work->done, work->items, work->mu, work->finished);
@@ -548,6 +558,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
                                 K / groups, y};
   }
   work->tile = type == ffi::DataType::F16 ? Tile<int8_t, _Float16> : Tile<int8_t, float>;
+  work->solo = M <= kInt8SoloMaxRows;
   return Run(pool, std::move(work));
 }
 
