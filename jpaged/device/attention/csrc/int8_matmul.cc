@@ -81,7 +81,7 @@ constexpr int64_t kTile = 32; // output channels per work item
 // int8 products of up to kInt8SoloMaxRows rows run on the calling thread alone (no helper is scheduled). At
 // so few rows the int8 kernel widens and scales each weight for one or two multiplies, and a second thread
 // made it slower, not faster: measured on an AMD EPYC (2 cores, AVX-512), the default model's 121 one-row
-// products as a chain of dependent calls (Q8_0 layout), 6.0-6.9 ms with XLA's intra-op helper, 5.0-5.2 alone;
+// products as a chain of dependent calls (Q8_0 layout), 6.1-6.9 ms with XLA's intra-op helper, 5.0-5.2 alone;
 // per-channel scales 5.6-6.6 against 4.2-4.5; two rows 8.6-9.0 against 6.6-7.0; at four rows the helper won
 // (10.2-10.6 against 11.8-12.1) and at eight by 1.55x. A single 18.8 MB int8 call of one row was faster alone
 // too (27-32 against 25-28 GB/s), so it is not the helper's wake-up alone. Float rows keep their helper (the
