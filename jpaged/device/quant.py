@@ -75,13 +75,14 @@ Products of one `x` by several weights (q, k and v; gate and up: `quantized_matm
 or int8 ones, are one native call with a result per weight, where the kernel takes each of them: 4 calls a
 layer instead of 7.
 Each call ends with the calling thread waiting for its helpers' last items, and a decode step of one row
-is a chain of such calls. int8 products of one or two rows have no helpers: the calling thread takes every
-item, which was faster (`kInt8SoloMaxRows` in the kernel; one stream of the Q8_0 file served, AMD EPYC,
-7.6 -> 5.6-6.0 ms a token). Measured on an AMD EPYC with AVX-512 (2 cores; `LLM.generate`, 128 tokens, one
+is a chain of such calls. Measured on an AMD EPYC with AVX-512 (2 cores; `LLM.generate`, 128 tokens, one
 prompt, 3 alternating rounds, median ms a token): bfloat16 12.26 / 11.96 / 12.46 one call a weight,
 11.78 / 12.08 / 11.42 fused; float32 rows 17.09 / 18.37 / 18.70 against 17.78 / 16.97 / 17.72. int8 (the same
 machine, its one-row decode step, two alternating processes each): 6.6-7.6 and 5.7-7.4 ms one call a weight,
 5.9-6.5 and 5.7-6.0 fused.
+
+int8 products of one or two rows have no helpers: the calling thread takes every item, which was faster
+(`kInt8SoloMaxRows` in the kernel; one stream of the Q8_0 file served, AMD EPYC, 7.6 -> 5.6-6.0 ms a token).
 """
 
 from __future__ import annotations
