@@ -10,6 +10,7 @@ and without a built kernel (as on a machine with no compiler) 'auto' falls back 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -20,7 +21,7 @@ import pytest
 from jpaged import LLM, SamplingParams
 from jpaged.device import attention
 from jpaged.device.attention import native
-from jpaged.device.attention.xla import XLABackend, storage_dtype
+from jpaged.device.attention.xla import XLABackend, storage_dtype, xla_write_kv
 from jpaged.device.batch import pack_rows
 from jpaged.core.kv_cache_manager import slot_ids
 from jpaged.core.scheduler import Row
@@ -127,6 +128,44 @@ def test_kernel_under_jit_and_scan_reads_the_traced_layer():
     for layer in range(LAYERS):
         np.testing.assert_allclose(got[layer], reference(q, pool, layer, tables, contexts, q_start, q_len, 0.125),
                                    rtol=2e-5, atol=2e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_write_and_attend_is_the_scatter_then_the_kernel(variant, dtype):
+    """`native_write_and_attend` (the cache write and the attention as one call, the pool updated in place)
+    against `xla_write_kv` then `native_attend`: the same pool bit for bit (each claimed token's K/V in its
+    slot, padding tokens' in the null block, a slot outside the pool dropped, every other slot and layer
+    untouched, NaN poison included) and the same output bit for bit, the new tokens' keys among those read;
+    with the pool donated (in place) and not (XLA copies it first)."""
+    rng = np.random.default_rng(4)
+    q, pool, tables, contexts, q_start, q_len = make_problem(64, dtype, rng)
+    slots = np.zeros(q.shape[0], np.int32)  # padding tokens: slot 0, the null block's
+    for b, (start, n) in enumerate(zip(q_start, q_len)):
+        for i in range(n):
+            pos = contexts[b] - n + i
+            slots[start + i] = tables[b, pos // BLOCK] * BLOCK + pos % BLOCK
+    slots[-1] = pool.shape[1] * BLOCK + 5  # outside the pool
+    k, v = (rng.standard_normal((q.shape[0], KV_HEADS, 64)).astype(np.float32) for _ in range(2))
+    layer, scale = 1, 0.125
+    want_pool = xla_write_kv(pool, layer, k, v, slots)
+    want = native.native_attend(q, want_pool, layer, tables, contexts, q_start, q_len, scale, variant=variant)
+    bits = lambda x: np.asarray(x).view(f"u{np.asarray(x).dtype.itemsize}")  # noqa: E731 (NaN == NaN)
+    call = functools.partial(native.native_write_and_attend, scale=scale, variant=variant)
+    for donate in ((), (4,)):
+        got_pool, got = jax.jit(call, donate_argnums=donate)(q, k, v, slots, jnp.array(pool), layer, tables, contexts,
+                                                             q_start, q_len)
+        assert got_pool.dtype == pool.dtype and np.array_equal(bits(got_pool), bits(want_pool))
+        assert np.array_equal(bits(got), bits(want)) and np.isfinite(np.asarray(got)).all()
+    # new keys and values in another dtype than the pool's (the Python wrapper converts them: the raw call)
+    other = jnp.float16 if dtype != jnp.float16 else jnp.float32
+    raw = jax.ffi.ffi_call(native.target_name(variant, "JpagedPagedAttentionWrite"),
+                           (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(pool.shape, pool.dtype)))
+    with pytest.raises(Exception, match="in the pool's dtype"):
+        jax.block_until_ready(raw(q, pool, jnp.int32(layer), jnp.int32(1 << 30), tables, contexts, q_start, q_len,
+                                  jnp.asarray(k, other), jnp.asarray(v, other), slots, scale=np.float32(scale),
+                                  softcap=np.float32(0)))
 
 
 # windowed rows: decodes at contexts 1 .. 200, prompts with and without cached context (the last:

@@ -155,9 +155,9 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
         if c.qk_norm:
             q, k = norm(q, p.q_norm), norm(k, p.k_norm)
         q, k = apply_rope(q, cos[rope_id], sin[rope_id]), apply_rope(k, cos[rope_id], sin[rope_id])
-        pool = backend.write_kv(pool, layer_id, k, v, inputs.slot_mapping)
-        attn = backend.attend(q, pool, layer_id, inputs, c.attention_scale,
-                              window=window if c.has_windows else None, softcap=c.attn_logit_softcap)
+        pool, attn = backend.write_and_attend(q, k, v, pool, layer_id, inputs, c.attention_scale,
+                                              window=window if c.has_windows else None,
+                                              softcap=c.attn_logit_softcap)
         out = _output_projection(attn, p.wo)
         x = x + (norm(out, p.post_attn_norm) if c.sandwich_norms else out)
         h = norm(x, p.mlp_norm)

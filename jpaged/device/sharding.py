@@ -288,6 +288,15 @@ class ShardedBackend:
 
         return self._map(f, (qs, spec, P(), inputs_spec, P()), qs)(q, pool, layer, inputs, window)
 
+    def write_and_attend(self, q, k, v, pool, layer, inputs, scale, *, window=None, softcap=None):
+        spec, qs, kv = self.strategy.spec(POOL_AXES), self.strategy.spec(Q_AXES), self.strategy.spec(KV_AXES)
+        inputs_spec = jax.tree.map(lambda _: P(), inputs)
+
+        def f(q, k, v, pool, layer, inputs, window):
+            return self.inner.write_and_attend(q, k, v, pool, layer, inputs, scale, window=window, softcap=softcap)
+
+        return self._map(f, (qs, kv, kv, spec, P(), inputs_spec, P()), (spec, qs))(q, k, v, pool, layer, inputs, window)
+
     def copy_blocks(self, pool, pairs):
         spec = self.strategy.spec(POOL_AXES)
         return self._map(self.inner.copy_blocks, (spec, P()), spec)(pool, pairs)

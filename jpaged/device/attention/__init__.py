@@ -7,7 +7,12 @@ never sliced out of the pool: a slice is a copy):
 
   write_kv(pool, layer, k, v, slot_mapping)                         -> pool
   attend(q, pool, layer, inputs, scale, *, window=None, softcap=None) -> out
+  write_and_attend(q, k, v, pool, layer, inputs, scale, *, window=None, softcap=None) -> (pool, out)
   copy_blocks(pool, pairs)                                           -> pool
+
+`write_and_attend` is what a model layer calls: `write_kv` of the step's new tokens (their slots are
+`inputs.slot_mapping`), then `attend` over the pool that holds them; a backend may do both in one
+operation (the native one does: one call instead of XLA's scatters and the attention).
 
 A backend also says how it stores a pool of a given dtype (`storage_dtype`). The pool's dtype
 may be narrower than the compute dtype (`q`'s): a 16-bit pool under float32 compute on a CPU.
@@ -58,6 +63,8 @@ class AttentionBackend(Protocol):
     def write_kv(self, pool, layer, k, v, slot_mapping): ...
 
     def attend(self, q, pool, layer, inputs, scale, *, window=None, softcap=None): ...
+
+    def write_and_attend(self, q, k, v, pool, layer, inputs, scale, *, window=None, softcap=None): ...
 
     def copy_blocks(self, pool, pairs): ...
 

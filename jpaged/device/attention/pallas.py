@@ -59,5 +59,9 @@ class PallasBackend:
                                                      inputs.block_tables, scale=float(scale), layer=layer,
                                                      window=window, softcap=softcap, interpret=self.interpret)
 
+    def write_and_attend(self, q, k, v, pool, layer, inputs, scale, *, window=None, softcap=None):
+        pool = self.write_kv(pool, layer, k, v, inputs.slot_mapping)
+        return pool, self.attend(q, pool, layer, inputs, scale, window=window, softcap=softcap)
+
     def copy_blocks(self, pool, pairs):
         return pallas_kernels.copy_blocks(pool, pairs, interpret=self.interpret)

@@ -27,7 +27,7 @@ def storage_dtype(dtype):
     return BF16_BITS if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
 
 
-def _to_pool(x, pool):
+def to_pool(x, pool):
     """New K or V in the pool's storage dtype."""
     if pool.dtype == BF16_BITS:
         return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
@@ -45,8 +45,8 @@ def xla_write_kv(pool, layer, k, v, slot_mapping):
     """Scatters `k, v f[num_tokens, num_kv_heads, head_dim]` into slots `i32[num_tokens]` of one layer."""
     block_size = pool.shape[3]
     block_ids, offsets = slot_mapping // block_size, slot_mapping % block_size
-    pool = pool.at[layer, block_ids, 0, offsets].set(_to_pool(k, pool))
-    return pool.at[layer, block_ids, 1, offsets].set(_to_pool(v, pool))
+    pool = pool.at[layer, block_ids, 0, offsets].set(to_pool(k, pool))
+    return pool.at[layer, block_ids, 1, offsets].set(to_pool(v, pool))
 
 
 def _tiles(pool, layer, blocks, dtype):
@@ -196,6 +196,10 @@ class XLABackend:
 
     def attend(self, q, pool, layer, inputs, scale, *, window=None, softcap=None):
         return xla_attend(q, pool, layer, inputs.plan, scale, window=window, softcap=softcap)
+
+    def write_and_attend(self, q, k, v, pool, layer, inputs, scale, *, window=None, softcap=None):
+        pool = self.write_kv(pool, layer, k, v, inputs.slot_mapping)
+        return pool, self.attend(q, pool, layer, inputs, scale, window=window, softcap=softcap)
 
     def copy_blocks(self, pool, pairs):
         return xla_copy_blocks(pool, pairs)

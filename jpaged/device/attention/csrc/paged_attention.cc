@@ -836,6 +836,58 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   return ffi::Error::Success();
 }
 
+// The cache write of JpagedPagedAttentionWrite: the new tokens' keys and values (k_new, v_new [N, KVH, D],
+// in the pool's storage dtype) into their slots of layer `layer_id` of the pool at `base`: slot s is
+// offset s % BS of block s / BS, as `xla_write_kv` scatters them; a slot outside the pool is skipped (XLA's
+// scatter drops it too). One token's KVH * D keys are contiguous in the pool, and so are its values.
+ffi::Error WriteKv(char* base, ffi::Span<const int64_t> pool_dims, ffi::DataType pool_type, int32_t layer_id,
+                   ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> slots) {
+  const int64_t L = pool_dims[0], NB = pool_dims[1], BS = pool_dims[3], KVH = pool_dims[4], D = pool_dims[5];
+  auto k_dims = k_new.dimensions();
+  const int64_t N = slots.element_count();
+  if (k_new.element_type() != pool_type || v_new.element_type() != pool_type)
+    return ffi::Error::InvalidArgument("paged attention write: the new keys and values must be in the pool's dtype");
+  if (k_dims.size() != 3 || k_dims[0] != N || k_dims[1] != KVH || k_dims[2] != D ||
+      v_new.dimensions().size() != 3 || v_new.element_count() != k_new.element_count())
+    return ffi::Error::InvalidArgument("paged attention write: the new keys and values must be [N, KVH, D] of the "
+                                       "pool's KV heads and head_dim, one per slot");
+  if (layer_id < 0 || layer_id >= L) return ffi::Error::InvalidArgument("paged attention: layer out of range");
+  const int64_t token_bytes = KVH * D * ffi::ByteWidth(pool_type), block_bytes = BS * token_bytes;
+  const char* k = static_cast<const char*>(k_new.untyped_data());
+  const char* v = static_cast<const char*>(v_new.untyped_data());
+  const int32_t* slot = slots.typed_data();
+  for (int64_t i = 0; i < N; ++i) {
+    if (slot[i] < 0 || slot[i] >= NB * BS) continue;
+    char* keys = base + ((layer_id * NB + slot[i] / BS) * 2) * block_bytes + (slot[i] % BS) * token_bytes;
+    std::memcpy(keys, k + i * token_bytes, token_bytes);
+    std::memcpy(keys + block_bytes, v + i * token_bytes, token_bytes);
+  }
+  return ffi::Error::Success();
+}
+
+// JpagedPagedAttentionWrite: the cache write of the step's new tokens (WriteKv) and then PagedAttention, in
+// one call (the pool operand aliased to the second result, updated in place): the write as XLA's scatters
+// was several small operations per layer.
+ffi::Error PagedAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pool,
+                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> window,
+                               ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> context,
+                               ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_len, ffi::AnyBuffer k_new,
+                               ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> slots, float scale, float softcap,
+                               ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> kv_pool_out) {
+  auto pool_dims = kv_pool.dimensions();
+  if (pool_dims.size() != 6 || pool_dims[2] != 2 || kv_pool_out->element_type() != kv_pool.element_type() ||
+      kv_pool_out->size_bytes() != kv_pool.size_bytes())
+    return ffi::Error::InvalidArgument("paged attention write: the pool must be [L, NB, 2, BS, KVH, D], and the "
+                                       "second result the same array");
+  char* base = static_cast<char*>(kv_pool_out->untyped_data());
+  if (base != kv_pool.untyped_data())  // XLA aliases them (input_output_aliases); else the result starts as a copy
+    std::memcpy(base, kv_pool.untyped_data(), kv_pool.size_bytes());
+  if (auto error = WriteKv(base, pool_dims, kv_pool.element_type(), *layer.typed_data(), k_new, v_new, slots);
+      error.failure())
+    return error;
+  return PagedAttention(pool, q, *kv_pool_out, layer, window, tables, context, q_start, q_len, scale, softcap, out);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttention, PagedAttention,
@@ -852,6 +904,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttention, PagedAttention,
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttentionWrite, PagedAttentionWrite,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::AnyBuffer>()          // kv_pool (aliased to the second result)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // window
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // context
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_len
+                                  .Arg<ffi::AnyBuffer>()          // k_new
+                                  .Arg<ffi::AnyBuffer>()          // v_new
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
+                                  .Ret<ffi::AnyBuffer>());        // kv_pool, with the new tokens written
 
 // Which instructions this library was built for ("avx512", "avx2" or "portable").
 extern "C" const char* JpagedNativeVariant() { return JPAGED_VARIANT; }
