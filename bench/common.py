@@ -88,12 +88,13 @@ def machine_info(packages=PACKAGES) -> dict:
 def native_info() -> dict:
     """jpaged's native CPU kernels here: the libraries built and runnable on this CPU, best first
     (`variants`), the one jpaged runs by default (`variant`: the first; None: the XLA paths only), and
-    whether its 16-bit weight products run on AMX tiles. Imports JAX (through jpaged's native module)."""
+    whether its 16-bit weight products run on AMX tiles or on AVX512-BF16's VDPBF16PS. Imports JAX (through
+    jpaged's native module)."""
     from jpaged.device.attention import native
 
     variants = native.available_variants()
     return {"variants": list(variants), "variant": variants[0] if variants else None,
-            "amx_bf16": native.amx_bf16()}
+            "amx_bf16": native.amx_bf16(), "avx512_bf16": native.avx512_bf16()}
 
 
 def jsonable(x):

@@ -275,3 +275,28 @@ def test_amx_tiles_are_used_where_the_cpu_has_them():
     assert native.amx_bf16() == ({"amx_bf16", "amx_tile"} <= flags)
     assert quant.native16_max_rows() == (AMX_MAX_ROWS if native.amx_bf16() else NATIVE16_MAX_ROWS)
     assert not any(native.amx_bf16(v) for v in native.available_variants() if v != "avx512")
+
+
+@pytest.mark.skipif("avx512" not in native.available_variants(), reason="the AVX-512 native library is not built here")
+def test_avx512_bf16_is_used_where_the_cpu_has_it_and_no_amx():
+    """The AVX-512 library runs bfloat16 products on VDPBF16PS exactly where the CPU lists AVX512-BF16 and the
+    AMX tiles do not take them; the other builds never do. On any path a row's products are the same bit for
+    bit whatever rows share its call (1 to 3 rows alone, and inside 8 and 19), at K a multiple of 32 and not."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    assert native.avx512_bf16() == ("avx512_bf16" in flags and not native.amx_bf16())
+    assert not any(native.avx512_bf16(v) for v in native.available_variants() if v != "avx512")
+    rng = np.random.default_rng(7)
+    for k, n in ((576, 200), (80, 70)):
+        w = rng.standard_normal((n, k)).astype(jnp.bfloat16).view(np.uint16)
+        x = rng.standard_normal((19, k)).astype(np.float32)
+        for variant in native.available_variants():
+            def product(rows):
+                call = jax.ffi.ffi_call(native.float_rows_matmul_target(variant),
+                                        [jax.ShapeDtypeStruct((len(rows), n), jnp.float32)])
+                return np.asarray(call(x[rows], np.int32(0), w)[0])
+            many = {m: product(np.arange(m)) for m in (8, 19)}
+            for m in (1, 2, 3):
+                alone = product(np.arange(m))
+                for rows in many.values():
+                    np.testing.assert_array_equal(alone, rows[:m], err_msg=f"{variant}, K {k}, {m} rows")

@@ -61,6 +61,10 @@ product of up to `AMX_MAX_ROWS` rows (`native16_max_rows`). Measured on an Intel
 cores, kernel alone, the default model's shapes, against XLA's bf16 dot): 3.5-4.5x as fast at 4-15 rows, 1.2-2.6x at 16-128 (the
 [49152 x 576] LM head: 9-12x at 4-15 rows, 1.9x at 128), 0.6-1.2x at 256, slower beyond (XLA's dot
 reaches AMX through its own library there: ~1 TFLOP/s at 1024 rows, where the kernel makes 0.6-0.8).
+On a CPU with AVX512-BF16 and no AMX (AMD Zen 4 and later; `native.avx512_bf16()`), the kernel's bfloat16
+products run on VDPBF16PS instead of widening each weight: a pair of bfloat16 products per float32 lane
+(AMD EPYC, 2 cores, the default model's 121 one-row products as a chain of dependent calls: 7.6-7.9 ms
+against 8.0-8.1).
 
 The product (`quantized_matmul`): up to `NATIVE_MAX_ROWS` rows (decode), the native kernel
 (`csrc/int8_matmul.cc`) reads each int8 weight once and widens it in registers; with more rows, or

@@ -21,7 +21,7 @@ The same libraries hold the few-row weight matmuls (`csrc/int8_matmul.cc`: `int8
 weights with scales, and `float_rows_matmul_target` for float rows: bfloat16, float16 or float32 weights
 without scales; each takes up to 4 weights of the same activations in one call), which `jpaged.device.quant` calls for few-row products of
 int8, bfloat16 and float32 parameters; on a CPU with AMX-BF16 the AVX-512 library runs bfloat16 products
-on AMX tiles (`amx_bf16`).
+on AMX tiles (`amx_bf16`), and on one with AVX512-BF16 alone on VDPBF16PS (`avx512_bf16`).
 
 In the model's layers the cache write is the same native call as the attention (`native_write_and_attend`:
 a plain copy of each new token's K/V into its slot, then the attention, the pool updated in place), where
@@ -130,12 +130,25 @@ def amx_bf16(variant: str = "auto") -> bool:
     """Whether `variant`'s 16-bit weight matmul runs bfloat16 weights on AMX tiles: the
     AVX-512 library, on a CPU with AMX-BF16 whose OS grants this process the tile state. False where
     the native kernels cannot run."""
+    return _library_says(variant, "JpagedAmxBf16")
+
+
+@functools.cache
+def avx512_bf16(variant: str = "auto") -> bool:
+    """Whether `variant`'s 16-bit weight matmul runs bfloat16 weights on AVX512-BF16's VDPBF16PS (pairs of
+    bfloat16 products summed in float32, the weights never widened): the AVX-512 library, on a CPU with
+    AVX512-BF16 where the AMX tiles do not take them. False where the native kernels cannot run."""
+    return _library_says(variant, "JpagedAvx512Bf16")
+
+
+def _library_says(variant: str, function: str) -> bool:
+    """The answer of `variant`'s library function `function` (no arguments; False where it is missing)."""
     variants = available_variants()
     if variant == "auto":
         variant = variants[0] if variants else None
     if variant not in variants:
         return False
-    check = getattr(_library(variant), "JpagedAmxBf16", None)
+    check = getattr(_library(variant), function, None)
     return check is not None and bool(check())
 
 
