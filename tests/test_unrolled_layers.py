@@ -19,7 +19,7 @@ from jpaged.device.attention import native
 from jpaged.device.attention.xla import XLABackend
 from jpaged.device.config import ModelConfig
 from jpaged.device.params import LayerParams, init_params, to_storage, unstack_layers
-from jpaged.device.quant import NATIVE32_MAX_ROWS, QuantizedWeight, float_row_params, native16_max_rows, quantize_params
+from jpaged.device.quant import QuantizedWeight, float_row_params, quantize_params
 from jpaged.device.runner import UNROLLED_MAX_ROWS, ModelRunner, default_unrolled_max_rows
 
 LLAMA = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
@@ -52,12 +52,12 @@ def test_int8_weights_keep_the_scan_and_sharded_or_stacked_defaults():
     assert default_unrolled_max_rows(quantize_params(params, "int8"), sharded=False) == 0
     plain16 = to_storage(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))  # bits, as without the library
     assert default_unrolled_max_rows(plain16, sharded=False) == 0
-    if native.available_variants():  # 16-bit rows: up to the rows the native kernel takes
+    if native.available_variants():  # float rows, 16-bit or float32: the scan, which reads them in place
         rows16 = float_row_params(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
-        assert default_unrolled_max_rows(to_storage(rows16), sharded=False) == min(UNROLLED_MAX_ROWS, native16_max_rows())
-        rows32 = float_row_params(params, float32=True)  # float32 rows: up to NATIVE32_MAX_ROWS
+        assert default_unrolled_max_rows(to_storage(rows16), sharded=False) == 0
+        rows32 = float_row_params(params, float32=True)
         assert isinstance(rows32.layers.wq, QuantizedWeight) and rows32.layers.wq.values.dtype == jnp.float32
-        assert default_unrolled_max_rows(rows32, sharded=False) == min(UNROLLED_MAX_ROWS, NATIVE32_MAX_ROWS)
+        assert default_unrolled_max_rows(rows32, sharded=False) == 0
 
 
 def _decode_rows(n: int) -> list[Row]:

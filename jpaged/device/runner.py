@@ -50,7 +50,7 @@ from jpaged.device.config import ModelConfig
 from jpaged.device.kv_cache import KVCache, back_with_huge_pages, pool_shape
 from jpaged.device.model import compute_logits, forward
 from jpaged.device.params import BF16_BITS, LlamaParams, single_cpu_device, unstack_layers
-from jpaged.device.quant import IN_AXES, QuantizedWeight, native_max_rows
+from jpaged.device.quant import IN_AXES, QuantizedWeight
 from jpaged.device.sampler import SamplingInputs, sample
 from jpaged.device.sharding import ShardedBackend, ShardingStrategy, replicate_kv_heads
 
@@ -129,26 +129,22 @@ UNROLLED_MAX_ROWS = 8
 
 
 def default_unrolled_max_rows(params: LlamaParams, *, sharded: bool) -> int:
-    """`UNROLLED_MAX_ROWS` for parameters on one CPU device, unless they hold int8 weights or bfloat16
-    weights as plain bits (without the native library); else 0 (the scan). Why, measured on the
-    default model's one-row decode step (Intel Xeon, 2 cores): a layer scan slices each layer's
-    weights out of the stack, which XLA's CPU backend does by copying them before
-    their products, a second pass over every weight; unrolled, the products read them where they lie:
-    float32 39 -> 27 ms, bfloat16 rows 22 -> 20 ms. int8 weights went the other way (13.4 -> 14.5 ms):
-    the native kernel reads them from memory slower than a copy brings them into cache. Float rows
-    (16-bit or float32) unroll only up to the rows the native kernel takes (`native_max_rows`): XLA's
-    dot past them takes 16-bit rows bit-cast to bfloat16, which outside the scan's slicing is a copy of
-    every weight (4 rows: 85 ms a token served, against llama.cpp's 39). The price is compile time (a
-    30-layer step about 5x the scan's), hence few rows only."""
+    """`UNROLLED_MAX_ROWS` for plain float parameters on one CPU device; else 0 (the scan): for int8 weights,
+    float rows (`QuantizedWeight`s, which the scan hands the native kernel as stacks to read in place), and
+    bfloat16 weights as plain bits (without the native library: each bit-cast unrolled would be a copy of
+    the weight). Why, measured on the default model's one-row decode step: a layer scan slices each layer's
+    plain weights out of the stack, which XLA's CPU backend does by copying them before their products, a
+    second pass over every weight; unrolled, the products read them where they lie (Intel Xeon, 2 cores:
+    float32 39 -> 27 ms; AMD EPYC, 2 cores: the scan 17.0 against 15.4 ms). Weights the native kernel reads
+    from the stack go the other way: int8 13.4 -> 14.5 ms unrolled (Intel Xeon), and bfloat16 rows, once
+    the scan stopped copying them, ran faster in the scan (AMD EPYC with AVX512-BF16, one process
+    alternating the two: one row 7.7-8.0 ms against 8.6-9.0, two rows 8.9 against 10.0, three even).
+    The price of unrolling is compile time too (a 30-layer step about 5x the scan's), hence few rows only."""
     if sharded or single_cpu_device(params.layers) is None:
         return 0
     dense = [getattr(params.layers, name) for name in IN_AXES if name not in ("embed", "lm_head")]
-    if any(isinstance(w, QuantizedWeight) and not w.is_float for w in dense):
+    if any(isinstance(w, QuantizedWeight) or w.dtype == BF16_BITS for w in dense):
         return 0
-    if any(not isinstance(w, QuantizedWeight) and w.dtype == BF16_BITS for w in dense):
-        return 0  # bfloat16 weights as plain bits (no native library): each bit-cast unrolled would be a copy
-    if any(isinstance(w, QuantizedWeight) for w in dense):  # float rows: where the native kernel takes them
-        return min(UNROLLED_MAX_ROWS, *(native_max_rows(w) for w in dense if isinstance(w, QuantizedWeight)))
     return UNROLLED_MAX_ROWS
 
 
