@@ -50,7 +50,8 @@ _HANDLER = "JpagedPagedAttention"
 _WRITE_HANDLER = "JpagedPagedAttentionWrite"  # the cache write, then the attention
 _INT8_HANDLER = "JpagedInt8Matmul"  # csrc/int8_matmul.cc
 _FLOAT_ROWS_HANDLER = "JpagedFloatRowsMatmul"  # csrc/int8_matmul.cc: bfloat16, float16 or float32 rows
-_TARGETS = {_HANDLER: "paged_attention", _WRITE_HANDLER: "paged_attention_write", _INT8_HANDLER: "int8_matmul", _FLOAT_ROWS_HANDLER: "float_rows_matmul"}
+_TARGETS = {_HANDLER: "paged_attention", _WRITE_HANDLER: "paged_attention_write", _INT8_HANDLER: "int8_matmul",
+            _FLOAT_ROWS_HANDLER: "float_rows_matmul"}
 
 
 def library_path(variant: str) -> str | None:

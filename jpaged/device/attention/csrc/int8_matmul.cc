@@ -33,9 +33,9 @@
 // Each weight is read once per call from memory: kLanes at a time (one register: lanes.h), widened to
 // float32 (and scaled) in registers (bfloat16: a 16-bit shift), then multiplied into up to 8 rows of x
 // (float32 accumulation); bfloat16 weights on a CPU with AVX512-BF16 are not widened (Bf16DotBlock), and on
-// one with AMX-BF16 they go through tiles (AmxBlock). Output channels are split in tiles between the calling thread and XLA's
-// intra-op threads (int8 weights by one or two rows: the calling thread alone); inside a tile, rows go
-// in chunks of up to 8, so a tile's weights are reused from cache by every chunk.
+// one with AMX-BF16 they go through tiles (AmxBlock). Output channels are split in tiles between the
+// calling thread and XLA's intra-op threads (int8 weights by one or two rows: the calling thread alone);
+// inside a tile, rows go in chunks of up to 8, so a tile's weights are reused from cache by every chunk.
 //
 // Built into the same per-instruction-set libraries as paged_attention.cc (setup.py), with GCC's
 // vector extensions: the variants differ only in their vector width and the instructions the
