@@ -82,6 +82,15 @@ namespace {
 
 constexpr int kMaxRows = 8;   // rows of x per pass over a tile's weights
 constexpr int64_t kTile = 32; // output channels per work item
+// Output channels per work item of a call of at most kMaxRows rows (one row chunk) off the AMX tiles: such a
+// call is bound by reading the weights, and each item is one stream of them, which the threads read faster
+// long than short. Measured on an AMD EPYC (2 cores, AVX-512; one library per tile size, alternating
+// processes): the default model's 121 bfloat16 products of one row as a chain of dependent calls, 7.7-7.9 ms
+// with 32 channels an item, 7.1-7.4 with 128, 6.2-6.5 with 256, 6.8-8.0 with 512 (items too few to share
+// evenly), 8.4-8.5 with 16; three rows 7.1 / 8.3 -> 6.1 / 6.6; int8 (Q8_0) at four rows 8.6 / 9.6 -> 7.6 /
+// 8.6, at one row (the calling thread alone) even; at 16 rows slower (24.8 / 27.7 -> 26.7 / 29.0: more
+// arithmetic, items shared less evenly), hence few rows only.
+constexpr int64_t kFewRowsTile = 256;
 // int8 products of up to kInt8SoloMaxRows rows run on the calling thread alone (no helper is scheduled). At
 // so few rows the int8 kernel widens and scales each weight for one or two multiplies, and a second thread
 // made it slower, not faster: measured on an AMD EPYC (2 cores, AVX-512), the default model's 121 one-row
@@ -540,6 +549,12 @@ struct Work {
   std::mutex mu;
   std::condition_variable finished;
 
+  // kFewRowsTile channels an item for every problem, where the call has at most kMaxRows rows.
+  void UseFewRowsTiles() {
+    if (problems[0].M <= kMaxRows)
+      for (int i = 0; i < num_problems; ++i) tile_channels[i] = kFewRowsTile;
+  }
+
   void Drain() {
     for (int64_t b = next_block.fetch_add(1); b < pack_blocks; b = next_block.fetch_add(1)) {
       pack(problems[0], b);
@@ -643,6 +658,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   }
   work->tile = type == ffi::DataType::F16 ? Tile<int8_t, _Float16> : Tile<int8_t, float>;
   work->solo = M <= kInt8SoloMaxRows;
+  work->UseFewRowsTiles();
   return Run(pool, std::move(work));
 }
 
@@ -724,6 +740,7 @@ ffi::Error FloatRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     rounded = RoundedToBf16(x.typed_data(), M * K);
     for (int i = 0; i < count; ++i) work->problems[i].x = rounded.data();
   }
+  if (work->pack == nullptr) work->UseFewRowsTiles();  // not on the AMX tiles (which pack x first)
   return Run(pool, std::move(work));
 }
 
