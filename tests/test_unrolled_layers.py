@@ -3,7 +3,7 @@ weights (`jpaged.device.params.unstack_layers`, `ModelRunner.unrolled_max_rows`)
 stack's memory, and the unrolled step computes what the layer scan computes (logits and the K/V it
 writes), for float32 and 16-bit-rows weights, on a family with per-layer windows, RoPE bases, biases,
 q/k norms, sandwich norms and soft-caps. Agreement with HF transformers through the engine, whose float32
-decode steps take this path (16-bit and int8 weights take the scan), is tests/test_families.py's."""
+decode steps take this path (bfloat16 and int8 weights take the scan), is tests/test_families.py's."""
 
 from __future__ import annotations
 
