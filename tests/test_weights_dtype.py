@@ -90,7 +90,7 @@ def test_bfloat16_greedy_agrees_with_float32(bf16_llm, llm, alpaca_prompts):
 def test_bfloat16_rows_lm_head_accumulates_in_float32(default_model, tied):
     """`test_lm_head_accumulates_and_returns_float32` on 16-bit rows (`float_row_params`): one row
     (the native kernel), a few (chunks of 4096 columns, native; with AMX one call), more than
-    `NATIVE16_MAX_ROWS` (chunks, XLA's dot; with AMX one native call) and more than `AMX_MAX_ROWS`
+    `native16_max_rows()` (chunks, XLA's dot; with AMX one native call) and more than `AMX_MAX_ROWS`
     (chunks, XLA's dot)."""
     config = default_model.config
     head = np.full((config.hidden_size, config.vocab_size), 4.0, np.float32)
@@ -99,7 +99,7 @@ def test_bfloat16_rows_lm_head_accumulates_in_float32(default_model, tied):
                                           embed=jnp.asarray(head.T) if tied else default_model.params.embed)
     params = to_storage(quant.float_row_params(cast_params(params, jnp.bfloat16)))
     assert isinstance(params.lm_head, QuantizedWeight) and (params.lm_head.values is params.embed.values) == tied
-    for rows in (1, 3, NATIVE16_MAX_ROWS + 2, AMX_MAX_ROWS + 1):
+    for rows in (1, 3, quant.native16_max_rows() + 2, AMX_MAX_ROWS + 1):
         hidden = jnp.ones((rows, config.hidden_size), jnp.float32)
         logits = jax.jit(lambda p, h: compute_logits(p, h, config=config))(params, hidden)
         assert logits.dtype == jnp.float32 and logits.shape == (rows, config.vocab_size)
@@ -129,7 +129,7 @@ def test_float_rows_matmul_matches_float64(k, n):
                                            err_msg=f"{variant} {values.dtype} {rows} rows")
     rows16 = float_rows(jnp.asarray(w.T), (k, n), (0,))  # logical [in, out]
     assert rows16.values.dtype == jnp.uint16 and rows16.values.shape == (n, k) and rows16.dtype == jnp.bfloat16
-    for rows in (1, NATIVE16_MAX_ROWS + 2, AMX_MAX_ROWS + 1):
+    for rows in (1, quant.native16_max_rows() + 2, AMX_MAX_ROWS + 1):
         x = rng.standard_normal((rows, k)).astype(np.float32)
         xb = x.astype(jnp.bfloat16).astype(np.float64)  # the activations rounded to bfloat16, as the model does
         ref = xb @ w.astype(np.float64).T
@@ -269,11 +269,13 @@ def test_bfloat16_native_rows_give_the_xla_paths_tokens(bf16_llm, make_llm, monk
 def test_amx_tiles_are_used_where_the_cpu_has_them():
     """The AVX-512 library runs bfloat16 products on AMX tiles exactly where the CPU lists AMX-BF16 (and
     Linux, which lists it, grants the tile state); there 16-bit products of up to `AMX_MAX_ROWS` rows
-    take the native kernel, elsewhere up to `NATIVE16_MAX_ROWS`. The other builds never use the tiles."""
+    take the native kernel, on VDPBF16PS up to `DOT16_MAX_ROWS`, elsewhere up to `NATIVE16_MAX_ROWS`. The other
+    builds never use the tiles."""
     cpuinfo = Path("/proc/cpuinfo")
     flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
     assert native.amx_bf16() == ({"amx_bf16", "amx_tile"} <= flags)
-    assert quant.native16_max_rows() == (AMX_MAX_ROWS if native.amx_bf16() else NATIVE16_MAX_ROWS)
+    assert quant.native16_max_rows() == (AMX_MAX_ROWS if native.amx_bf16() else quant.DOT16_MAX_ROWS
+                                         if native.avx512_bf16() else NATIVE16_MAX_ROWS)
     assert not any(native.amx_bf16(v) for v in native.available_variants() if v != "avx512")
 
 

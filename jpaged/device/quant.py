@@ -29,11 +29,11 @@ differ only in the order of the sums). Measured (same machine, kernel alone, bf1
 1-8 rows, slower from 16; the [49152 x 576] LM head of one row: 1.5 ms (36 GB/s; XLA's bf16 dot 35 ms,
 float32's 3.7 ms); more rows go by 4096-row chunks (`jpaged.device.model._lm_head`). In the default model
 (weights from memory), 8-request batched decode ran 15% faster with XLA's dot at 8 rows than with the
-native kernel, which set `NATIVE16_MAX_ROWS` to 3; but a decode step's rows are padded to a power of two, so
-3 requests ran 4 rows on XLA's dot. Once the kernel took VDPBF16PS and longer work items
-(`csrc/int8_matmul.cc`), the native kernel won up to 8 rows: the default model's decode step of 3 requests
-(4 rows) 12.4-13.1 -> 7.3-8.1 ms, of 8 requests 17.1-24.1 -> 9.1-11.3 (AMD EPYC with AVX512-BF16, 2 cores,
-one process alternating the two): hence `NATIVE16_MAX_ROWS` = 8.
+native kernel: hence `NATIVE16_MAX_ROWS` = 3 (a decode step's rows are padded to a power of two, so 3
+requests run 4 rows, on XLA's dot). Where the kernel's bfloat16 products run on VDPBF16PS (with its longer work
+items, `csrc/int8_matmul.cc`), it won up to 8 rows: the default model's decode step of 3 requests (4 rows)
+12.4-13.1 -> 7.3-8.1 ms, of 8 requests 17.1-24.1 -> 9.1-11.3 (AMD EPYC with AVX512-BF16, 2 cores, one process
+alternating the two): hence `DOT16_MAX_ROWS` = 8 there. CPUs without AVX512-BF16 were not measured again.
 
 float32 rows (`float_rows` of a float32 weight; `float_row_params(params, float32=True)`): `values`
 f32[*stack, out, in], `scales` None, `dtype` float32. Up to `NATIVE32_MAX_ROWS` rows the native kernel
@@ -107,7 +107,8 @@ from jpaged.device.attention import native
 
 QUANTIZATIONS = ("int8",)
 NATIVE_MAX_ROWS = 32  # rows up to which the native kernel beats XLA's dequantize-then-dot (module docstring)
-NATIVE16_MAX_ROWS = 8  # rows up to which the native 16-bit kernel beats XLA's bf16 dot in a model (module docstring)
+NATIVE16_MAX_ROWS = 3  # rows up to which the native 16-bit kernel beats XLA's bf16 dot in a model (module docstring)
+DOT16_MAX_ROWS = 8  # the same where its bfloat16 products run on VDPBF16PS (`native.avx512_bf16()`)
 NATIVE32_MAX_ROWS = 8  # the same for float32 rows
 NATIVE32_MAX_OUTPUT = 8192  # float32 rows of more output channels (an LM head) go to XLA's dot (module docstring)
 AMX_MAX_ROWS = 128  # the same where the native kernel runs on AMX tiles
@@ -398,10 +399,11 @@ def native_max_rows(w: QuantizedWeight) -> int:
 
 def native16_max_rows() -> int:
     """Rows up to which a 16-bit product takes the native kernel here: `AMX_MAX_ROWS` where it runs on AMX
-    tiles, else `NATIVE16_MAX_ROWS`; 0 where the native library cannot run."""
+    tiles, `DOT16_MAX_ROWS` where on VDPBF16PS, else `NATIVE16_MAX_ROWS`; 0 where the native library cannot
+    run."""
     if _float_rows_target() is None:
         return 0
-    return AMX_MAX_ROWS if native.amx_bf16() else NATIVE16_MAX_ROWS
+    return AMX_MAX_ROWS if native.amx_bf16() else DOT16_MAX_ROWS if native.avx512_bf16() else NATIVE16_MAX_ROWS
 
 
 def _native_target():
