@@ -55,7 +55,7 @@ def test_int8_weights_keep_the_scan_and_sharded_or_stacked_defaults():
     if native.available_variants():  # float rows, 16-bit or float32: the scan, which reads them in place
         rows16 = float_row_params(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
         assert default_unrolled_max_rows(to_storage(rows16), sharded=False) == 0
-        rows32 = float_row_params(params, float32=True)
+        rows32 = float_row_params(params)
         assert isinstance(rows32.layers.wq, QuantizedWeight) and rows32.layers.wq.values.dtype == jnp.float32
         assert default_unrolled_max_rows(rows32, sharded=False) == 0
 
@@ -88,7 +88,7 @@ def test_unrolled_decode_step_computes_what_the_scan_does(config, weights, backe
     if weights == "bfloat16-rows":
         params = to_storage(float_row_params(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)))
     elif weights == "float32-rows":
-        params = float_row_params(params, float32=True)
+        params = float_row_params(params)
     results = {}
     for unrolled in (UNROLLED_MAX_ROWS, 0):
         runner = ModelRunner(config, params, num_blocks=16, block_size=8, unrolled_max_rows=unrolled,

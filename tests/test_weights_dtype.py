@@ -4,7 +4,6 @@ float32 is what it was."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import jax
@@ -45,9 +44,14 @@ def test_bfloat16_parameters_are_stored_in_16_bits(bf16_llm, llm):
         assert stored.lm_head.values is stored.embed.values  # the tied head: a view of the embedding
     else:
         assert stored.layers.w_up.unsafe_buffer_pointer() == engine.model.params.layers.w_up.unsafe_buffer_pointer()
-    f32 = llm.engine  # float32: the same arrays, untouched (XLA's dot computes a row the same in any batch)
-    assert f32.param_dtype == jnp.float32 and f32.runner.params.layers.wq is f32.model.params.layers.wq
-    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(f32.runner.params))
+    f32 = llm.engine  # float32: [out, in] rows of the same values where the native kernel is built
+    assert f32.param_dtype == jnp.float32 and all(x.dtype == jnp.float32 for x in jax.tree.leaves(f32.runner.params))
+    wq = f32.runner.params.layers.wq
+    if native.available_variants():
+        assert isinstance(wq, QuantizedWeight) and wq.values.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(quant.dequantize(wq)), np.asarray(f32.model.params.layers.wq))
+    else:
+        assert wq is f32.model.params.layers.wq
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -222,22 +226,44 @@ def assert_greedy_close(want, got, nats: float) -> None:
 @on_cpu
 @pytest.mark.skipif(not native.available_variants(), reason="the native kernel is not built")
 def test_float32_native_rows_give_the_xla_paths_tokens(llm, make_llm, monkeypatch, alpaca_prompts):
-    """float32 weights as [out, in] rows (`float_row_params(params, float32=True)`, not the engine's
-    default: the native kernel up to `NATIVE32_MAX_ROWS` rows, XLA's dot of the rows past them) give the
-    greedy tokens of the engine's XLA einsums on the parameters' own layout, one stream and 4 at once,
-    with log-probabilities within 1e-3 nats (float32 products, sums in another order), up to a near tie."""
+    """float32 weights as [out, in] rows (`float_row_params`, the engine's default on one CPU: the native
+    kernel up to `NATIVE32_MAX_ROWS` rows, XLA's dot of the rows past them) give the greedy tokens of XLA's
+    einsums on the parameters' own layout (the engine before), one stream and 4 at once, with
+    log-probabilities within 1e-3 nats (float32 products, sums in another order), up to a near tie."""
     prompts = [chat_token_ids(llm.tokenizer, p) for p in alpaca_prompts[:4]]
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=3)
-    monkeypatch.setattr("jpaged.engine.llm_engine.float_row_params",
-                        functools.partial(quant.float_row_params, float32=True))
-    rows = make_llm(dtype="float32")
+    monkeypatch.setattr("jpaged.engine.llm_engine.float_row_params", lambda p: p)
+    xla = make_llm(dtype="float32")
     monkeypatch.undo()
-    assert not isinstance(llm.engine.runner.params.layers.wq, QuantizedWeight)
-    assert isinstance(rows.engine.runner.params.layers.wq, QuantizedWeight)
+    assert not isinstance(xla.engine.runner.params.layers.wq, QuantizedWeight)
+    assert isinstance(llm.engine.runner.params.layers.wq, QuantizedWeight)
     for batch in ([prompts[0]], prompts):
-        want, got = (m.generate(batch, params, use_tqdm=False) for m in (llm, rows))
+        want, got = (m.generate(batch, params, use_tqdm=False) for m in (xla, llm))
         for a, b in zip(want, got):
             assert_greedy_close(a.outputs[0], b.outputs[0], nats=1e-3)
+
+
+@pytest.mark.skipif(not native.available_variants(), reason="the native kernel is not built")
+def test_float32_rows_sum_a_row_alike_in_every_batch_up_to_native32_max_rows():
+    """Batch invariance of float32 products, bit for bit: a row's `quantized_matmul` by float32 rows is the
+    same alone and among any rows up to `NATIVE32_MAX_ROWS` (every decode step of that many rows; XLA's dot
+    sums one row alone differently from the same row among two), at the default model's widths and at K not a
+    multiple of the lanes; and every native variant sums a row the same among 1 to 40 rows."""
+    rng = np.random.default_rng(3)
+    product = jax.jit(quantized_matmul)
+    for k, n in ((576, 192), (1536, 64), (80, 70)):
+        rows32 = float_rows(jnp.asarray(rng.standard_normal((k, n)).astype(np.float32)), (k, n), (0,))
+        x = rng.standard_normal((40, k)).astype(np.float32)
+        among = np.asarray(product(x[:NATIVE32_MAX_ROWS], rows32))
+        for m in (1, 2, 3, 8, 9, NATIVE32_MAX_ROWS - 1):
+            np.testing.assert_array_equal(np.asarray(product(x[:m], rows32)), among[:m], err_msg=f"K {k}, {m} rows")
+        for variant in native.available_variants():
+            call = lambda m: np.asarray(jax.ffi.ffi_call(  # noqa: E731
+                native.float_rows_matmul_target(variant), [jax.ShapeDtypeStruct((m, n), jnp.float32)])(
+                    x[:m], np.int32(0), rows32.values)[0])
+            many = call(40)
+            for m in (1, 2, 5, 16, 33):
+                np.testing.assert_array_equal(call(m), many[:m], err_msg=f"{variant}, K {k}, {m} rows")
 
 
 @on_cpu

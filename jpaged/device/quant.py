@@ -35,17 +35,24 @@ items, `csrc/int8_matmul.cc`), it won up to 8 rows: the default model's decode s
 12.4-13.1 -> 7.3-8.1 ms, of 8 requests 17.1-24.1 -> 9.1-11.3 (AMD EPYC with AVX512-BF16, 2 cores, one process
 alternating the two): hence `DOT16_MAX_ROWS` = 8 there. CPUs without AVX512-BF16 were not measured again.
 
-float32 rows (`float_rows` of a float32 weight; `float_row_params(params, float32=True)`): `values`
-f32[*stack, out, in], `scales` None, `dtype` float32. Up to `NATIVE32_MAX_ROWS` rows the native kernel
-reads them (no rounding: float32 products and sums); more rows, XLA's float32 dot of the [out, in] rows.
-The engine keeps float32 weights in their own layout, for XLA's dot: float32 rows are a second copy of
-every weight, and a row's products then sum in one order up to `NATIVE32_MAX_ROWS` rows and in XLA's
-order past them, so a request's float32 tokens would depend on the batch it is decoded in (beam search
-and sampling under aborts and swaps changed tokens: tests/test_reliability.py), where XLA's dot computes
-a row the same in any batch. The speed they buy is at one stream: 10% on an Intel Xeon with AMX
-(bench/README.md), 5-25% on an AMD EPYC with AVX-512 (`LLM.generate`, 128 tokens, one prompt, alternating
-processes: 14.8 / 18.6 / 15.7 ms a token against 19.9 / 19.7 / 18.5). Measured on the Intel Xeon (2
-cores), the default model's
+float32 rows (`float_rows` of a float32 weight; what `float_row_params` makes of float32 parameters, as the
+engine does on one CPU): `values` f32[*stack, out, in], `scales` None, `dtype` float32. Up to
+`NATIVE32_MAX_ROWS` rows the native kernel reads them (no rounding: float32 products and sums); more rows,
+XLA's float32 dot of the [out, in] rows (as fast as of the [in, out] weights from 64 rows on). A request's
+float32 tokens must not depend on the batch it is decoded in (beam search and sampling under aborts and
+swaps: tests/test_reliability.py). The native kernel sums a row the same at any row count, bit for bit.
+XLA's dot does not (AMD EPYC, jax 0.10.2, the default model's shapes): one row alone differs from the same
+row among two, and from 64 rows on ([576 x 1536]) from the same row among 2-32; 2 to 32 rows agree. With the
+native kernel up to 8 rows and XLA's dot past them, the aborts test's tokens changed; with it up to
+`NATIVE32_MAX_ROWS` = 32 every decode step of up to 32 rows sums a row alike, and the test holds. Past
+32 rows (prefill chunks, large batches) the rows go to XLA's dot, as the [in, out] weights did. Measured
+on that machine (one process building both engines and alternating their one-row `run_step`, median ms a
+decode step): 1 row 13.8 against 17.0 with XLA's dot of the [in, out] weights; 2 rows 17.3 / 18.1, 8 rows
+23.1 / 24.2, 16 rows 33.3 / 32.7, 32 rows 50.7 / 52.4. The rows are a transposed copy of each layer's
+weights beside the parameters' own (the tied embedding is shared). Measured earlier, with the native
+kernel up to 8 rows: 10% at one stream on an Intel Xeon with AMX (bench/README.md), 5-25% on an AMD EPYC
+with AVX-512 (`LLM.generate`, 128 tokens, one prompt, alternating processes: 14.8 / 18.6 / 15.7 ms a token
+against 19.9 / 19.7 / 18.5). Measured on the Intel Xeon (2 cores), the default model's
 30 layers of products as a chain of dependent calls (weights from memory), scratch scripts: one row
 22.0-23.8 ms with XLA's dot of the [in, out] weights, 18.0-19.6 with the native kernel on rows (its
 caller spinning for its helpers, no software prefetch: `csrc/int8_matmul.cc`); 4 rows 33.5-34.6 ms with
@@ -109,7 +116,7 @@ QUANTIZATIONS = ("int8",)
 NATIVE_MAX_ROWS = 32  # rows up to which the native kernel beats XLA's dequantize-then-dot (module docstring)
 NATIVE16_MAX_ROWS = 3  # rows up to which the native 16-bit kernel beats XLA's bf16 dot in a model (module docstring)
 DOT16_MAX_ROWS = 8  # the same where its bfloat16 products run on VDPBF16PS (`native.avx512_bf16()`)
-NATIVE32_MAX_ROWS = 8  # the same for float32 rows
+NATIVE32_MAX_ROWS = 32  # the same for float32 rows
 NATIVE32_MAX_OUTPUT = 8192  # float32 rows of more output channels (an LM head) go to XLA's dot (module docstring)
 AMX_MAX_ROWS = 128  # the same where the native kernel runs on AMX tiles
 ROW_DTYPES = (jnp.bfloat16, jnp.float32)  # the float weights `float_rows` takes
@@ -226,16 +233,15 @@ def float_rows(w, logical_shape: tuple, in_axes: tuple) -> QuantizedWeight:
     return QuantizedWeight(values, None, logical_shape, in_axes)
 
 
-def float_row_params(params, *, float32: bool = False):
-    """`params` (a `LlamaParams`) with every bfloat16 dense weight (`IN_AXES`) as float rows (`float_rows`),
-    for the native few-row product on one CPU (what the engine runs there); with `float32`, the float32
-    ones too (not the engine's default: module docstring). The same `params` where the native library is
-    absent. Norms and biases stay as they are (`to_storage` makes bits of them), so do leaves of other
-    dtypes. Tied embeddings get `lm_head = embed.T`, the same arrays viewed as [hidden, vocab]."""
+def float_row_params(params):
+    """`params` (a `LlamaParams`) with every bfloat16 and float32 dense weight (`IN_AXES`) as float rows
+    (`float_rows`), for the native few-row product on one CPU (what the engine runs there). The same `params`
+    where the native library is absent. Norms and biases stay as they are (`to_storage` makes bits of them),
+    so do leaves of other dtypes (float16 weights stay XLA's). Tied embeddings get `lm_head = embed.T`, the
+    same arrays viewed as [hidden, vocab]."""
     if _float_rows_target() is None:
         return params
-    dtypes = ROW_DTYPES if float32 else (jnp.bfloat16,)
-    return _map_dense(params, lambda w, shape, in_axes: float_rows(w, shape, in_axes) if w.dtype in dtypes else w)
+    return _map_dense(params, lambda w, shape, in_axes: float_rows(w, shape, in_axes) if w.dtype in ROW_DTYPES else w)
 
 
 def _map_dense(params, convert):

@@ -138,7 +138,8 @@ def default_unrolled_max_rows(params: LlamaParams, *, sharded: bool) -> int:
     float32 39 -> 27 ms; AMD EPYC, 2 cores: the scan 17.0 against 15.4 ms). Weights the native kernel reads
     from the stack go the other way: int8 13.4 -> 14.5 ms unrolled (Intel Xeon), and bfloat16 rows, once
     the scan stopped copying them, ran faster in the scan (AMD EPYC with AVX512-BF16, one process
-    alternating the two: one row 7.7-8.0 ms against 8.6-9.0, two rows 8.9 against 10.0, three even).
+    alternating the two: one row 7.7-8.0 ms against 8.6-9.0, two rows 8.9 against 10.0, three even), and
+    float32 rows ran even (one row 12.4 ms either way, the same machine).
     The price of unrolling is compile time too (a 30-layer step about 5x the scan's), hence few rows only."""
     if sharded or single_cpu_device(params.layers) is None:
         return 0

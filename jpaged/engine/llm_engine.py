@@ -120,7 +120,7 @@ class LLMEngine:
         # and the parameters': every matmul accumulates in float32 and the activations between them are
         # float32 (jpaged.device.model); on a CPU, the runner holds bfloat16 parameters as their bit
         # patterns (jpaged.device.params.to_storage, sharing their memory), on one CPU device its dense
-        # bfloat16 weights as [out, in] rows (jpaged.device.quant.float_row_params: a transposed copy)
+        # bfloat16 and float32 weights as [out, in] rows (jpaged.device.quant.float_row_params: a transposed copy)
         self.param_dtype = dtype
         backend = None if runner is not None else get_backend(config.attention_backend, interpret=config.interpret)
         # the pool is sized and checked against the memory there is before any weight is read
@@ -199,9 +199,8 @@ class LLMEngine:
         self.draft_layers = draft_layers
         if runner is None:
             on_cpu = jax.default_backend() == "cpu"
-            # on one CPU device, bfloat16 dense weights as [out, in] rows for the native few-row kernel
-            # (jpaged.device.quant.float_row_params; as they are without the native library; float32 stays in
-            # its own layout for XLA's dot, which computes a row the same in any batch)
+            # on one CPU device, bfloat16 and float32 dense weights as [out, in] rows for the native few-row
+            # kernel (jpaged.device.quant.float_row_params; as they are without the native library)
             runner_params = float_row_params(self.model.params) if on_cpu and sharding is None else self.model.params
             runner = ModelRunner(model_config, to_storage(runner_params) if on_cpu else runner_params,
                                  num_blocks=num_blocks, block_size=config.block_size, dtype=dtype,
