@@ -145,8 +145,8 @@ def test_float_rows_matmul_matches_float64(k, n):
     w32 = rng.standard_normal((n, k)).astype(np.float32)  # float32 rows: x as it is, native up to NATIVE32_MAX_ROWS
     rows32 = float_rows(jnp.asarray(w32.T), (k, n), (0,))
     assert rows32.values.dtype == jnp.float32 and rows32.values.shape == (n, k) and rows32.dtype == jnp.float32
-    if native.available_variants():  # a head-wide float32 weight goes to XLA's dot (quant.NATIVE32_MAX_OUTPUT)
-        assert quant.native_max_rows(rows32) == (0 if n >= quant.NATIVE32_MAX_OUTPUT else NATIVE32_MAX_ROWS)
+    if native.available_variants():  # a head-wide float32 weight too
+        assert quant.native_max_rows(rows32) == NATIVE32_MAX_ROWS
     for rows in (1, NATIVE32_MAX_ROWS, NATIVE32_MAX_ROWS + 1):
         x = rng.standard_normal((rows, k)).astype(np.float32)
         ref = x.astype(np.float64) @ w32.astype(np.float64).T

@@ -39,12 +39,14 @@ float32 rows (`float_rows` of a float32 weight; what `float_row_params` makes of
 engine does on one CPU): `values` f32[*stack, out, in], `scales` None, `dtype` float32. Up to
 `NATIVE32_MAX_ROWS` rows the native kernel reads them (no rounding: float32 products and sums); more rows,
 XLA's float32 dot of the [out, in] rows (as fast as of the [in, out] weights from 64 rows on). A request's
-float32 tokens must not depend on the batch it is decoded in (beam search and sampling under aborts and
-swaps: tests/test_reliability.py). The native kernel sums a row the same at any row count, bit for bit.
+float32 tokens should not change with the batch it is decoded in (beam search and sampling under aborts
+and swaps: tests/test_reliability.py checks that they do not). The native kernel sums a row's products
+the same at any row count, bit for bit.
 XLA's dot does not (AMD EPYC, jax 0.10.2, the default model's shapes): one row alone differs from the same
 row among two, and from 64 rows on ([576 x 1536]) from the same row among 2-32; 2 to 32 rows agree. With the
 native kernel up to 8 rows and XLA's dot past them, the aborts test's tokens changed; with it up to
-`NATIVE32_MAX_ROWS` = 32 every decode step of up to 32 rows sums a row alike, and the test holds. Past
+`NATIVE32_MAX_ROWS` = 32 every decode step of up to 32 rows sums a row's products alike, and the test
+holds. Past
 32 rows (prefill chunks, large batches) the rows go to XLA's dot, as the [in, out] weights did. Measured
 on that machine (one process building both engines and alternating their one-row `run_step`, median ms a
 decode step): 1 row 13.8 against 17.0 with XLA's dot of the [in, out] weights; 2 rows 17.3 / 18.1, 8 rows
@@ -58,12 +60,15 @@ against 19.9 / 19.7 / 18.5). Measured on the Intel Xeon (2 cores), the default m
 caller spinning for its helpers, no software prefetch: `csrc/int8_matmul.cc`); 4 rows 33.5-34.6 ms with
 XLA's dot, 26.2-27.0 native, 8 rows 41.7-42.7 and 28.2-29.4 (native before those two changes). The same
 products read in the [in, out] layout by a native kernel (no transposed copy) ran at 15 GB/s against
-XLA's 19: 64-256-byte pieces of rows far apart stream worse than whole rows. A float32 head of
-`NATIVE32_MAX_OUTPUT` output channels or more goes to XLA's dot at every row count: the default
-model's tied [49152 x 576] head, one row, took 4.1-4.4 ms a step in the native kernel (XLA's dot of it
-alone: 3.0 ms, against the kernel's 3.5), and the one-row decode step ran 24.9-26.1 ms with XLA's dot
-against 26.7-26.9 (alternating processes, traced); once the kernel stopped prefetching float32 rows,
-24.6-24.9 against 24.8-25.1.
+XLA's 19: 64-256-byte pieces of rows far apart stream worse than whole rows. The float32 LM head takes
+the native kernel too, up to `NATIVE32_MAX_ROWS` rows, so its products are as batch-invariant as the
+layers' (the rest of the step is XLA's: its float32 row sums of an RMS norm differ from 8 rows on). It once went to XLA's dot at every row count (`NATIVE32_MAX_OUTPUT` = 8192 output
+channels: on the Intel Xeon the default model's tied [49152 x 576] head of one row took 3.5 ms in the
+kernel against XLA's 3.0). Once the kernel's passes took 4 rows by 6 channels (`kPassRows`,
+`csrc/int8_matmul.cc`), it ran the head faster than XLA's dot at 1-32 rows (AMD EPYC, 2 cores, alone:
+2.0-2.3 / 3.0-3.2 / 3.6-3.8 / 4.8-5.0 / 7.6-8.1 ms at 1 / 4 / 8 / 16 / 32 rows, XLA's 2.3 / 5.5 / 5.3 /
+6.3 / 8.2), and the default model's float32 decode step (one process alternating the two, median ms)
+2 rows 15.7 against 17.4 with the head on XLA's dot, 8 rows 21.9 against 23.0, 32 rows 46.7 against 46.1.
 
 On a CPU with AMX-BF16 (`native.amx_bf16()`), the native kernel runs bfloat16 products on AMX tiles
 (bfloat16 x bfloat16 -> float32 tile products; one row too: its weights stream faster through tile
@@ -117,7 +122,6 @@ NATIVE_MAX_ROWS = 32  # rows up to which the native kernel beats XLA's dequantiz
 NATIVE16_MAX_ROWS = 3  # rows up to which the native 16-bit kernel beats XLA's bf16 dot in a model (module docstring)
 DOT16_MAX_ROWS = 8  # the same where its bfloat16 products run on VDPBF16PS (`native.avx512_bf16()`)
 NATIVE32_MAX_ROWS = 32  # the same for float32 rows
-NATIVE32_MAX_OUTPUT = 8192  # float32 rows of more output channels (an LM head) go to XLA's dot (module docstring)
 AMX_MAX_ROWS = 128  # the same where the native kernel runs on AMX tiles
 ROW_DTYPES = (jnp.bfloat16, jnp.float32)  # the float weights `float_rows` takes
 IN_AXES = {"embed": (1,), "lm_head": (0,), "wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": (0,),
@@ -392,14 +396,12 @@ def _results(rows, ws) -> list:
 
 def native_max_rows(w: QuantizedWeight) -> int:
     """Rows up to which a product by `w` takes the native kernel here: `NATIVE_MAX_ROWS` for int8,
-    `NATIVE32_MAX_ROWS` for float32 rows (0 from `NATIVE32_MAX_OUTPUT` output channels on),
-    `native16_max_rows()` for 16-bit rows; 0 where the native library cannot run."""
+    `NATIVE32_MAX_ROWS` for float32 rows, `native16_max_rows()` for 16-bit rows; 0 where the native
+    library cannot run."""
     if not w.is_float:
         return NATIVE_MAX_ROWS if _native_target() is not None else 0
     if w.is_16bit:
         return native16_max_rows()
-    if w.values.shape[-2] >= NATIVE32_MAX_OUTPUT:
-        return 0
     return NATIVE32_MAX_ROWS if _float_rows_target() is not None else 0
 
 
