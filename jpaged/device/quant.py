@@ -33,7 +33,9 @@ native kernel: hence `NATIVE16_MAX_ROWS` = 3 (a decode step's rows are padded to
 requests run 4 rows, on XLA's dot). Where the kernel's bfloat16 products run on VDPBF16PS (with its longer work
 items, `csrc/int8_matmul.cc`), it won up to 8 rows: the default model's decode step of 3 requests (4 rows)
 12.4-13.1 -> 7.3-8.1 ms, of 8 requests 17.1-24.1 -> 9.1-11.3 (AMD EPYC with AVX512-BF16, 2 cores, one process
-alternating the two): hence `DOT16_MAX_ROWS` = 8 there. CPUs without AVX512-BF16 were not measured again.
+alternating the two). Once the kernel's passes took 4 rows by 6 channels (`kPassRows`), it won up to 32
+rows there: 16 requests 17.6 -> 14.4 ms a step, 32 requests 31.2 -> 21.0 (64: 45.6 -> 42.1, noisy, not
+taken): hence `DOT16_MAX_ROWS` = 32 there. CPUs without AVX512-BF16 were not measured again.
 
 float32 rows (`float_rows` of a float32 weight; what `float_row_params` makes of float32 parameters, as the
 engine does on one CPU): `values` f32[*stack, out, in], `scales` None, `dtype` float32. Up to
@@ -120,7 +122,7 @@ from jpaged.device.attention import native
 QUANTIZATIONS = ("int8",)
 NATIVE_MAX_ROWS = 32  # rows up to which the native kernel beats XLA's dequantize-then-dot (module docstring)
 NATIVE16_MAX_ROWS = 3  # rows up to which the native 16-bit kernel beats XLA's bf16 dot in a model (module docstring)
-DOT16_MAX_ROWS = 8  # the same where its bfloat16 products run on VDPBF16PS (`native.avx512_bf16()`)
+DOT16_MAX_ROWS = 32  # the same where its bfloat16 products run on VDPBF16PS (`native.avx512_bf16()`)
 NATIVE32_MAX_ROWS = 32  # the same for float32 rows
 AMX_MAX_ROWS = 128  # the same where the native kernel runs on AMX tiles
 ROW_DTYPES = (jnp.bfloat16, jnp.float32)  # the float weights `float_rows` takes
