@@ -37,9 +37,10 @@ as the XLA backend keeps a bfloat16 KV pool. XLA's CPU compiler has no bfloat16 
 widens the whole stacked bfloat16 array to float32 for the layer scan's slicing, in every step (a
 decode step over bfloat16 layers took 7x float32's); a uint16 stack is sliced as it is, and the model
 bit-casts each layer's slice back (`from_storage`). Float16 needs no such form. On a single CPU device
-the engine first makes float rows of the bfloat16 dense leaves (`jpaged.device.quant.float_row_params`:
-`QuantizedWeight`s of uint16 bits, [out, in], no scales) for the native few-row matmul; `to_storage` then
-holds the remaining bfloat16 leaves (norms, biases) as bits.
+the engine first makes float rows of the bfloat16 and float32 dense leaves
+(`jpaged.device.quant.float_row_params`: `QuantizedWeight`s of uint16 bits or float32, [out, in], no
+scales) for the native few-row matmul; `to_storage` then holds the remaining bfloat16 leaves (norms,
+biases) as bits.
 """
 
 from __future__ import annotations

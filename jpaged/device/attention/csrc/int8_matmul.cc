@@ -89,7 +89,7 @@ constexpr int kMaxRows = 8;   // calls of up to this many rows are few (kFewRows
 // memory, one library each, two rounds): float32 [576 x 49152] (an LM head) 6.0-6.2 -> 3.6-3.8 ms at 8 rows,
 // 8.0-8.3 -> 4.8-5.0 at 16, 11.7 -> 7.6-8.1 at 32 (XLA's dot: 5.3, 6.3, 8.2); float32 [1536 x 576] 210-221
 // -> 128-135 us at 8 rows, 351-370 -> 250-255 at 32; bfloat16, the head: 1.7-2.2 -> 1.4 ms at 8 rows,
-// 7.1-7.4 -> 4.0-4.1 at 32; int8 5-20% faster at 8-32 rows; 1-4 rows even.
+// 7.1-7.4 -> 4.0-4.1 at 32; int8 3-25% faster at 8-32 rows; 1-2 rows even, 4 even to 25% faster.
 #if defined(__AVX512F__)
 constexpr int kPassRows = 4;
 constexpr int kWideChannels = 6;
