@@ -40,37 +40,36 @@ taken): hence `DOT16_MAX_ROWS` = 32 there. CPUs without AVX512-BF16 were not mea
 float32 rows (`float_rows` of a float32 weight; what `float_row_params` makes of float32 parameters, as the
 engine does on one CPU): `values` f32[*stack, out, in], `scales` None, `dtype` float32. Up to
 `NATIVE32_MAX_ROWS` rows the native kernel reads them (no rounding: float32 products and sums); more rows,
-XLA's float32 dot of the [out, in] rows (as fast as of the [in, out] weights from 64 rows on). A request's
-float32 tokens should not change with the batch it is decoded in (beam search and sampling under aborts
-and swaps: tests/test_reliability.py checks that they do not). The native kernel sums a row's products
-the same at any row count, bit for bit.
-XLA's dot does not (AMD EPYC, jax 0.10.2, the default model's shapes): one row alone differs from the same
-row among two, and from 64 rows on ([576 x 1536]) from the same row among 2-32; 2 to 32 rows agree. With the
-native kernel up to 8 rows and XLA's dot past them, the aborts test's tokens changed; with it up to
-`NATIVE32_MAX_ROWS` = 32 every decode step of up to 32 rows sums a row's products alike, and the test
-holds. Past
-32 rows (prefill chunks, large batches) the rows go to XLA's dot, as the [in, out] weights did. Measured
-on that machine (one process building both engines and alternating their one-row `run_step`, median ms a
-decode step): 1 row 13.8 against 17.0 with XLA's dot of the [in, out] weights; 2 rows 17.3 / 18.1, 8 rows
-23.1 / 24.2, 16 rows 33.3 / 32.7, 32 rows 50.7 / 52.4. The rows are a transposed copy of each layer's
-weights beside the parameters' own (the tied embedding is shared). Measured earlier, with the native
-kernel up to 8 rows: 10% at one stream on an Intel Xeon with AMX (bench/README.md), 5-25% on an AMD EPYC
-with AVX-512 (`LLM.generate`, 128 tokens, one prompt, alternating processes: 14.8 / 18.6 / 15.7 ms a token
-against 19.9 / 19.7 / 18.5). Measured on the Intel Xeon (2 cores), the default model's
-30 layers of products as a chain of dependent calls (weights from memory), scratch scripts: one row
-22.0-23.8 ms with XLA's dot of the [in, out] weights, 18.0-19.6 with the native kernel on rows (its
-caller spinning for its helpers, no software prefetch: `csrc/int8_matmul.cc`); 4 rows 33.5-34.6 ms with
-XLA's dot, 26.2-27.0 native, 8 rows 41.7-42.7 and 28.2-29.4 (native before those two changes). The same
-products read in the [in, out] layout by a native kernel (no transposed copy) ran at 15 GB/s against
-XLA's 19: 64-256-byte pieces of rows far apart stream worse than whole rows. The float32 LM head takes
-the native kernel too, up to `NATIVE32_MAX_ROWS` rows, so its products are as batch-invariant as the
-layers' (the rest of the step is XLA's: its float32 row sums of an RMS norm differ from 8 rows on). It once went to XLA's dot at every row count (`NATIVE32_MAX_OUTPUT` = 8192 output
-channels: on the Intel Xeon the default model's tied [49152 x 576] head of one row took 3.5 ms in the
-kernel against XLA's 3.0). Once the kernel's passes took 4 rows by 6 channels (`kPassRows`,
-`csrc/int8_matmul.cc`), it ran the head faster than XLA's dot at 1-32 rows (AMD EPYC, 2 cores, alone:
-2.0-2.3 / 3.0-3.2 / 3.6-3.8 / 4.8-5.0 / 7.6-8.1 ms at 1 / 4 / 8 / 16 / 32 rows, XLA's 2.3 / 5.5 / 5.3 /
-6.3 / 8.2), and the default model's float32 decode step (one process alternating the two, median ms)
-2 rows 15.7 against 17.4 with the head on XLA's dot, 8 rows 21.9 against 23.0, 32 rows 46.7 against 46.1.
+XLA's float32 dot of the [out, in] rows (as fast as of the [in, out] weights at 256-512 rows, 0-9% slower at
+64). A request's float32 tokens should not change with the batch it is decoded in (beam search and sampling
+under aborts and swaps: tests/test_reliability.py checks that they do not). The native kernel sums a row's
+products the same at any row count, bit for bit. XLA's dot does not (AMD EPYC, jax 0.10.2, the default
+model's shapes): one row alone differs from the same row among two, and from 64 rows on ([576 x 1536]) from
+the same row among 2-32; 2 to 32 rows agree. With the native kernel up to 8 rows and XLA's dot past them,
+the aborts test's tokens changed; with it up to `NATIVE32_MAX_ROWS` = 32 every decode step of up to 32 rows
+sums a row's products alike, and the test holds. Past 32 rows (prefill chunks, large batches) the rows go to
+XLA's dot, as the [in, out] weights did. Measured on that machine (one process building both engines and
+alternating their one-row `run_step`, median ms a decode step): 1 row 13.8 against 17.0 with XLA's dot of
+the [in, out] weights; 2 rows 17.3 / 18.1, 8 rows 23.1 / 24.2, 16 rows 33.3 / 32.7, 32 rows 50.7 / 52.4. The
+rows are a transposed copy of each layer's weights beside the parameters' own (the tied embedding is
+shared). Measured earlier, with the native kernel up to 8 rows: 10% at one stream on an Intel Xeon with AMX
+(bench/README.md), 5-25% on an AMD EPYC with AVX-512 (`LLM.generate`, 128 tokens, one prompt, alternating
+processes: 14.8 / 18.6 / 15.7 ms a token against 19.9 / 19.7 / 18.5). Measured on the Intel Xeon (2 cores),
+the default model's 30 layers of products as a chain of dependent calls (weights from memory), scratch
+scripts: one row 22.0-23.8 ms with XLA's dot of the [in, out] weights, 18.0-19.6 with the native kernel on
+rows (its caller spinning for its helpers, no software prefetch: `csrc/int8_matmul.cc`); 4 rows 33.5-34.6 ms
+with XLA's dot, 26.2-27.0 native, 8 rows 41.7-42.7 and 28.2-29.4 (native before those two changes). The same
+products read in the [in, out] layout by a native kernel (no transposed copy) ran at 15 GB/s against XLA's
+19: 64-256-byte pieces of rows far apart stream worse than whole rows. The float32 LM head takes the native
+kernel too, up to `NATIVE32_MAX_ROWS` rows, so its products are as batch-invariant as the layers' (the rest
+of the step is XLA's: its float32 row sums of an RMS norm differ from 8 rows on). It once went to XLA's dot
+at every row count (`NATIVE32_MAX_OUTPUT` = 8192 output channels: on the Intel Xeon the default model's tied
+[49152 x 576] head of one row took 3.5 ms in the kernel against XLA's 3.0). Once the kernel's passes took 4
+rows by 6 channels (`kPassRows`, `csrc/int8_matmul.cc`), it ran the head as fast as XLA's dot at one row and
+faster at 4-32 rows (AMD EPYC, 2 cores, alone: 2.0-2.3 / 3.0-3.2 / 3.6-3.8 / 4.8-5.0 / 7.6-8.1 ms at 1 / 4 /
+8 / 16 / 32 rows, XLA's 2.3 / 5.5 / 5.3 / 6.3 / 8.2), and the default model's float32 decode step (one
+process alternating the two, median ms) 2 rows 15.7 against 17.4 with the head on XLA's dot, 8 rows 21.9
+against 23.0, 32 rows 46.7 against 46.1.
 
 On a CPU with AMX-BF16 (`native.amx_bf16()`), the native kernel runs bfloat16 products on AMX tiles
 (bfloat16 x bfloat16 -> float32 tile products; one row too: its weights stream faster through tile
