@@ -594,9 +594,11 @@ struct Work {
 };
 
 // Runs `work` (its problems, tile function and row chunk set) on the calling thread and XLA's intra-op
-// threads, or on the calling thread alone where `work->solo`.
+// threads, or on the calling thread alone where `work->solo`; a call of few rows off the AMX tiles takes
+// kFewRowsTile channels an item.
 ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
   if (work->problems[0].M == 0) return ffi::Error::Success();
+  if (work->pack == nullptr) work->UseFewRowsTiles();  // not on the AMX tiles (which pack x first)
   const int64_t chunks = (work->problems[0].M + work->row_chunk - 1) / work->row_chunk;
   for (int i = 0; i < work->num_problems; ++i) {
     work->tiles[i] = (work->problems[i].N + work->tile_channels[i] - 1) / work->tile_channels[i];
@@ -675,7 +677,6 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   }
   work->tile = type == ffi::DataType::F16 ? Tile<int8_t, _Float16> : Tile<int8_t, float>;
   work->solo = M <= kInt8SoloMaxRows;
-  work->UseFewRowsTiles();
   return Run(pool, std::move(work));
 }
 
@@ -757,7 +758,6 @@ ffi::Error FloatRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     rounded = RoundedToBf16(x.typed_data(), M * K);
     for (int i = 0; i < count; ++i) work->problems[i].x = rounded.data();
   }
-  if (work->pack == nullptr) work->UseFewRowsTiles();  // not on the AMX tiles (which pack x first)
   return Run(pool, std::move(work));
 }
 
