@@ -2,8 +2,9 @@
 weights (`jpaged.device.params.unstack_layers`, `ModelRunner.unrolled_max_rows`): the views share the
 stack's memory, and the unrolled step computes what the layer scan computes (logits and the K/V it
 writes), for float32 and 16-bit-rows weights, on a family with per-layer windows, RoPE bases, biases,
-q/k norms, sandwich norms and soft-caps. Agreement with HF transformers through the engine, whose float32
-decode steps take this path (bfloat16 and int8 weights take the scan), is tests/test_families.py's."""
+q/k norms, sandwich norms and soft-caps. Agreement with HF transformers through the engine (whose float
+decode steps take this path only without the native library, or with float16 weights: float rows and
+int8 weights take the scan) is tests/test_families.py's."""
 
 from __future__ import annotations
 
