@@ -76,6 +76,25 @@ def test_async_outputs_are_the_synchronous_ones(default_model, preemption_mode):
     assert {reason for completions in want.values() for _, _, reason in completions} >= {"stop", "length"}
 
 
+def test_rows_that_fill_their_bucket_are_fed_the_samples_without_an_executable(default_model):
+    """A step run ahead takes its rows' input tokens from the samples of the step before: the sampler's
+    token ids as they are where the rows fill their bucket in order (one stream: no `feed_tokens` run),
+    through `feed_tokens` where they do not (three rows in a bucket of four). Tokens as the synchronous
+    engine's either way."""
+    config = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4)
+    sync = LLMEngine(config, loaded=default_model)
+    for prompts in (PROMPTS[:1], PROMPTS[:3]):
+        requests = [(0, f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+                    for i, prompt in enumerate(prompts)]
+        want = run(sync, requests)
+        engine = LLMEngine(config, loaded=default_model, runner=sync.runner, async_scheduling=True)
+        ahead, records = count_run_ahead(engine), []
+        engine.add_observer(records.append)
+        assert run(engine, requests) == want and ahead[0] >= 8
+        fed = sum(c.name == "feed_tokens" for r in records for c in r.calls)
+        assert fed == (0 if len(prompts) == 1 else ahead[0])
+
+
 CROWD = [(i % 7, f"r{i}", PROMPTS[i % len(PROMPTS)],
           SamplingParams(temperature=0.5, seed=i, max_tokens=5 + i % 23, n=1 + i % 3 // 2,
                          stop=["e"] if i % 5 == 0 else []))

@@ -529,7 +529,15 @@ class ModelRunner:
     def feed_tokens(self, inputs: ModelInputs, source: np.ndarray, sampled: jax.Array) -> ModelInputs:
         """Running ahead (async scheduling): `inputs` with packed token i replaced by `sampled[source[i]]`
         where source[i] >= 0 (i32[N]; -1: keep it), so that a row's input is its sequence's sample in the
-        step before, taken on the device (`sampled`: a `dispatch_sample` run's `token_ids`, of N rows)."""
+        step before, taken on the device (`sampled`: a `dispatch_sample` run's `token_ids`, of N rows).
+
+        Where source is 0..N-1 (the rows keep their sequences' order and fill the bucket: one stream, or
+        a full bucket of streams), the packed tokens are `sampled` itself, and no executable runs: on one
+        device, where it is already placed as the step reads it. That run cost a decode step at one row
+        about 0.3 ms of its 7-8 (bfloat16, AMD EPYC, 2 cores)."""
+        n = inputs.token_ids.shape[0]
+        if self.sharding is None and sampled.shape == (n,) and np.array_equal(source, np.arange(n)):
+            return inputs.replace(token_ids=sampled)
         return inputs.replace(token_ids=self._run("feed_tokens", inputs.token_ids, source, sampled))
 
     def sample(self, logits: jax.Array, rows: Seq[SampleRow], num_top: int, *,
