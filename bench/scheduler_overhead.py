@@ -38,8 +38,8 @@ import numpy as np  # noqa: E402
 
 from jpaged.device.attention import get_backend  # noqa: E402
 from jpaged.device.kv_cache import KVCache  # noqa: E402
-from jpaged.device.runner import DeviceCall, ModelRunner  # noqa: E402
-from jpaged.device.sampler import SamplerOutput  # noqa: E402
+from jpaged.device.runner import DeviceCall, ModelRunner, Sampled  # noqa: E402
+from jpaged.device.sampler import SamplerOutput, packed  # noqa: E402
 
 from bench.common import RESULTS_DIR, machine_info, results_stem, write_json  # noqa: E402
 
@@ -76,8 +76,9 @@ class StubRunner(ModelRunner):
                      + params.step.astype(np.uint64) * 2654435761)
             tokens = (mixed % 32768 + 256).astype(np.int32)
             self._ready_at[id(tokens)] = self._busy_until
-            return SamplerOutput(tokens, np.zeros(len(tokens), np.float32), np.repeat(tokens[:, None], k, 1),
-                                 np.zeros((len(tokens), k), np.float32), np.zeros(len(tokens), bool))
+            return Sampled(tokens, packed(SamplerOutput(tokens, np.zeros(len(tokens), np.float32),
+                                                        np.repeat(tokens[:, None], k, 1),
+                                                        np.zeros((len(tokens), k), np.float32), np.zeros(len(tokens), bool))))
         if name == "feed_tokens":  # running ahead (async scheduling): the rows' inputs from the samples before
             token_ids, source, sampled = args
             return np.where(source >= 0, np.asarray(sampled)[np.maximum(source, 0)], token_ids)

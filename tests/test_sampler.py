@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged.device.sampler import SamplingInputs, draw, filter_top_k_top_p, row_key, row_max_argmax, sample
+from jpaged.device.sampler import (SamplerOutput, SamplingInputs, draw, filter_top_k_top_p, packed, row_key,
+                                   row_max_argmax, sample, unpacked)
 
 
 def reference_filter(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
@@ -116,3 +117,27 @@ def test_logprobs_match_a_float64_log_softmax(num_top):
         np.testing.assert_array_equal(np.asarray(out.top_ids), expected_ids)
         np.testing.assert_allclose(np.asarray(out.top_logprobs), np.take_along_axis(reference[rows], expected_ids, -1),
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("num_top", [0, 3])
+def test_packed_samples_read_back_bit_for_bit(num_top):
+    """The one array the host reads (`packed`, on the device and on numpy alike) gives back every field
+    of the sampler's output: ids exactly, log-probabilities bit for bit (-inf and the smallest too)."""
+    rng = np.random.default_rng(0)
+    rows = 6
+    logits = jnp.asarray(rng.normal(size=(rows, 300)) * 8, jnp.float32).at[1, :299].set(-jnp.inf)
+    params = SamplingInputs(temperature=jnp.asarray([0, 0.7, 0, 1.2, 0, 0.5], jnp.float32),
+                            top_k=jnp.zeros(rows, jnp.int32), top_p=jnp.ones(rows, jnp.float32),
+                            seed=jnp.arange(rows, dtype=jnp.uint32), sample_index=jnp.zeros(rows, jnp.int32),
+                            step=jnp.zeros(rows, jnp.int32), draft=jnp.asarray([-1, 3, 7, -1, 5, -1], jnp.int32))
+    out = sample(logits, jnp.arange(rows, dtype=jnp.int32), params, num_top=num_top)
+    want = {name: np.asarray(getattr(out, name)) for name in ("token_ids", "logprobs", "top_ids", "top_logprobs",
+                                                               "accepted")}
+    assert np.isneginf(want["top_logprobs"]).any() if num_top else want["top_ids"].shape == (rows, 0)
+    host = SamplerOutput(**{name: np.asarray(value) for name, value in want.items()})
+    for read in (np.asarray(jax.jit(packed)(out)), packed(host)):
+        got = unpacked(read[:5])
+        assert set(got) == set(want)
+        for name, value in want.items():
+            assert got[name].dtype == value.dtype and got[name].shape == value[:5].shape
+            assert value[:5].tobytes() == got[name].tobytes(), name

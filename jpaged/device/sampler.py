@@ -25,6 +25,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -59,6 +60,29 @@ class SamplerOutput:
     top_ids: jax.Array
     top_logprobs: jax.Array
     accepted: jax.Array
+
+
+def packed(out: SamplerOutput) -> jax.Array:
+    """`out` as one i32[B, 3 + 2K] array, read to the host in one transfer (`unpacked`): the columns are
+    token_ids, the bits of logprobs, accepted, the K top_ids, the bits of the K top_logprobs. Each array
+    read from the device cost the host ~40 us after a decode step (AMD EPYC, 2 cores): five of them
+    were ~4% of a one-row bfloat16 token. numpy arrays (a stand-in device) pack alike."""
+    xp = np if isinstance(out.token_ids, np.ndarray) else jnp
+
+    def bits(x):
+        x = xp.asarray(x, xp.float32)
+        return x.view(np.int32) if xp is np else jax.lax.bitcast_convert_type(x, jnp.int32)
+
+    return xp.concatenate([out.token_ids[:, None].astype(xp.int32), bits(out.logprobs)[:, None],
+                           out.accepted[:, None].astype(xp.int32), out.top_ids.astype(xp.int32),
+                           bits(out.top_logprobs)], axis=1)
+
+
+def unpacked(rows: np.ndarray) -> dict[str, np.ndarray]:
+    """`packed`'s rows read to the host, as SamplerOutput's fields by name (views of `rows`)."""
+    k = (rows.shape[1] - 3) // 2
+    return {"token_ids": rows[:, 0], "logprobs": rows[:, 1].view(np.float32), "accepted": rows[:, 2] != 0,
+            "top_ids": rows[:, 3:3 + k], "top_logprobs": rows[:, 3 + k:].view(np.float32)}
 
 
 def row_key(seed, sample_index, step):
