@@ -21,6 +21,14 @@ from jpaged.device.quant import (AMX_MAX_ROWS, NATIVE16_MAX_ROWS, NATIVE32_MAX_R
                                  quantize, quantized_matmul, take_rows)
 
 on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU storage form of bfloat16 parameters")
+
+
+def native_rows_product(variant: str, x: np.ndarray, values) -> np.ndarray:
+    """The native float-rows kernel of `variant` alone: x f32[M, K] by weight rows `values` [N, K] -> f32[M, N]."""
+    out = jax.ShapeDtypeStruct((x.shape[0], values.shape[-2]), jnp.float32)
+    return np.asarray(jax.ffi.ffi_call(native.float_rows_matmul_target(variant), [out])(x, np.int32(0), values)[0])
+
+
 NUM_TOKENS = 16
 
 
@@ -124,12 +132,10 @@ def test_float_rows_matmul_matches_float64(k, n):
         x = rng.standard_normal((rows, k)).astype(np.float32)
         xb = x.astype(jnp.bfloat16).astype(np.float64)
         for variant in native.available_variants():
-            target = native.float_rows_matmul_target(variant)
-            call = jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct((rows, n), jnp.float32)])
             for values in (w.view(np.uint16), w, w.astype(np.float16), w.astype(np.float32)):
                 ref = x.astype(np.float64) @ values.astype(np.float64).T if values.dtype in (np.float16, np.float32) \
                     else xb @ w.astype(np.float64).T
-                np.testing.assert_allclose(np.asarray(call(x, np.int32(0), values)[0]), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(),
+                np.testing.assert_allclose(native_rows_product(variant, x, values), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(),
                                            err_msg=f"{variant} {values.dtype} {rows} rows")
     rows16 = float_rows(jnp.asarray(w.T), (k, n), (0,))  # logical [in, out]
     assert rows16.values.dtype == jnp.uint16 and rows16.values.shape == (n, k) and rows16.dtype == jnp.bfloat16
@@ -258,12 +264,10 @@ def test_float32_rows_sum_a_row_alike_in_every_batch_up_to_native32_max_rows():
         for m in (1, 2, 3, 8, 9, NATIVE32_MAX_ROWS - 1):
             np.testing.assert_array_equal(np.asarray(product(x[:m], rows32)), among[:m], err_msg=f"K {k}, {m} rows")
         for variant in native.available_variants():
-            call = lambda m: np.asarray(jax.ffi.ffi_call(  # noqa: E731
-                native.float_rows_matmul_target(variant), [jax.ShapeDtypeStruct((m, n), jnp.float32)])(
-                    x[:m], np.int32(0), rows32.values)[0])
-            many = call(40)
+            many = native_rows_product(variant, x, rows32.values)
             for m in (1, 2, 5, 16, 33):
-                np.testing.assert_array_equal(call(m), many[:m], err_msg=f"{variant}, K {k}, {m} rows")
+                np.testing.assert_array_equal(native_rows_product(variant, x[:m], rows32.values), many[:m],
+                                              err_msg=f"{variant}, K {k}, {m} rows")
 
 
 @on_cpu
@@ -319,12 +323,8 @@ def test_avx512_bf16_is_used_where_the_cpu_has_it_and_no_amx():
         w = rng.standard_normal((n, k)).astype(jnp.bfloat16).view(np.uint16)
         x = rng.standard_normal((19, k)).astype(np.float32)
         for variant in native.available_variants():
-            def product(rows):
-                call = jax.ffi.ffi_call(native.float_rows_matmul_target(variant),
-                                        [jax.ShapeDtypeStruct((len(rows), n), jnp.float32)])
-                return np.asarray(call(x[rows], np.int32(0), w)[0])
-            many = {m: product(np.arange(m)) for m in (8, 19)}
+            many = {m: native_rows_product(variant, x[:m], w) for m in (8, 19)}
             for m in (1, 2, 3):
-                alone = product(np.arange(m))
+                alone = native_rows_product(variant, x[:m], w)
                 for rows in many.values():
                     np.testing.assert_array_equal(alone, rows[:m], err_msg=f"{variant}, K {k}, {m} rows")
