@@ -242,15 +242,17 @@ class OrcaKVCacheManager:
                 f"{r.run_blocks} blocks")
             assert r.first_block_id >= 1, f"sequence {seq_id!r} holds the null block"
 
+    def usage(self) -> dict:
+        return {"num_used_blocks": self.num_blocks - 1 - self.num_free_blocks, "num_free_blocks": self.num_free_blocks,
+                "num_cached_blocks": 0}
+
     def stats(self) -> dict:
         """`BlockManager.stats()`'s keys (nothing is cached, shared or swapped here), plus the
         reservation's own: reserved slots, slots holding tokens, the largest free run."""
         num_used = self.num_blocks - 1 - self.num_free_blocks
         return {
             "num_blocks": self.num_blocks,
-            "num_free_blocks": self.num_free_blocks,
-            "num_used_blocks": num_used,
-            "num_cached_blocks": 0,
+            **self.usage(),
             "num_cached_free_blocks": 0,
             "refcount_histogram": {1: num_used} if num_used else {},
             "num_cpu_blocks": 0,

@@ -230,6 +230,10 @@ class KVCacheManager(Protocol):
         """Forgets what free device blocks hold (a prefix cache): called when the device pool's
         contents were lost. Sequences still holding device blocks must have been freed first."""
 
+    def usage(self) -> dict:
+        """num_used_blocks, num_free_blocks and num_cached_blocks as `stats` counts them, cheaply (a
+        server reads them every step)."""
+
     def stats(self) -> dict:
         """At least num_blocks, num_free_blocks, num_used_blocks, num_cached_blocks,
         num_cached_free_blocks, refcount_histogram, num_cpu_blocks, num_used_cpu_blocks, num_seqs,

@@ -215,6 +215,10 @@ class PartitionedBlockManager:
         return self._swap(seq_ids, False)
 
     # ---- checks and statistics -----------------------------------------------------------------
+    def usage(self) -> dict:
+        parts = [p.usage() for p in self.partitions]
+        return {key: sum(u[key] for u in parts) for key in parts[0]}
+
     def stats(self) -> dict:
         parts = [p.stats() for p in self.partitions]
         out = {}

@@ -48,6 +48,10 @@ class Table:
     def __iter__(self):
         return (key for shard in self.shards for key in shard)
 
+    def __len__(self) -> int:
+        """Keys in the table: O(shards), not O(keys)."""
+        return sum(map(len, self.shards))
+
     def to_dict(self) -> dict:
         """The whole table as one dict (O(capacity)), checking that every key sits in its shard."""
         merged = {}

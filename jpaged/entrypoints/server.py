@@ -113,7 +113,7 @@ class Metrics:
         self.requests.labels("waiting").set(record.num_waiting)
         self.requests.labels("running").set(record.num_running)
         self.requests.labels("swapped").set(record.num_swapped)
-        stats = record.kv.stats()
+        stats = record.kv.usage()
         self.blocks.labels("used").set(stats["num_used_blocks"])
         self.blocks.labels("free").set(stats["num_free_blocks"])
         self.blocks.labels("cached").set(stats["num_cached_blocks"])
