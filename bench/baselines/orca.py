@@ -249,10 +249,11 @@ class OrcaKVCacheManager:
     def stats(self) -> dict:
         """`BlockManager.stats()`'s keys (nothing is cached, shared or swapped here), plus the
         reservation's own: reserved slots, slots holding tokens, the largest free run."""
-        num_used = self.num_blocks - 1 - self.num_free_blocks
+        usage = self.usage()
+        num_used = usage["num_used_blocks"]
         return {
             "num_blocks": self.num_blocks,
-            **self.usage(),
+            **usage,
             "num_cached_free_blocks": 0,
             "refcount_histogram": {1: num_used} if num_used else {},
             "num_cpu_blocks": 0,
