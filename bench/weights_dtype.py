@@ -106,7 +106,7 @@ def run(num_requests: int, max_tokens: int, num_single: int, rounds: int, log=pr
             identical_requests=sum(p == max_tokens for p in prefix), mean_matching_prefix=sum(prefix) / len(prefix),
             one_stream_identical_requests=sum(p == max_tokens for p in single_prefix),
             one_stream_mean_matching_prefix=sum(single_prefix) / len(single_prefix),
-            parameters=str(getattr(wq, "values", wq).dtype),
+            parameters=str(wq.dtype if getattr(wq, "is_float", False) else getattr(wq, "values", wq).dtype),
             parameters_stored_as=str(getattr(runner_wq, "values", runner_wq).dtype),
             parameter_bytes=int(sum(x.nbytes for x in stored.values())),
             pool_storage=str(llm.engine.runner.cache.kv.dtype), attention_backend=llm.engine.runner.backend.name)

@@ -21,6 +21,8 @@ import pytest
 
 from jpaged import SamplingParams
 from jpaged.engine import LLMEngine
+from jpaged.device.params import cast_params
+from jpaged.device.quant import IN_AXES, QuantizedWeight, float_rows
 from jpaged.engine import snapshot
 
 # a small pool and CPU swap blocks: the requests below outgrow it, so a group is swapped out mid-run
@@ -127,6 +129,29 @@ def test_restoring_into_another_model_or_geometry_is_refused(paused, default_mod
     other_config = dataclasses.replace(default_model.config, rope_theta=default_model.config.rope_theta * 2)
     with pytest.raises(ValueError, match="saved with another model .* has another configuration: give the saved"):
         LLMEngine.restore(path, loaded=dataclasses.replace(default_model, config=other_config, params=None))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_float_rows_have_the_fingerprint_of_the_arrays_they_came_from(default_model, dtype, tied):
+    """What an engine on one CPU device holds (its dense weights as [out, in] rows) is the same model as
+    the arrays it came from: a save there restores on a device without rows, and the other way round."""
+    params = cast_params(default_model.params, dtype)
+    if not tied:  # a head of its own, [hidden, vocab]
+        params = params.replace(lm_head=params.embed.T + 0)
+    layers = params.layers.replace(**{name: float_rows(getattr(params.layers, name), getattr(params.layers, name)
+                                                       .shape[1:], axes)
+                                      for name, axes in IN_AXES.items() if name not in ("embed", "lm_head")})
+    embed = float_rows(params.embed, params.embed.shape, IN_AXES["embed"])
+    lm_head = embed.T if tied else float_rows(params.lm_head, params.lm_head.shape, IN_AXES["lm_head"])
+    plain = dataclasses.replace(default_model, params=params)
+    rows = dataclasses.replace(default_model, params=params.replace(layers=layers, embed=embed, lm_head=lm_head))
+    assert isinstance(rows.params.layers.wo, QuantizedWeight)
+    assert snapshot.model_identity(rows) == snapshot.model_identity(plain)
+    # and it is a fingerprint of the values: one sampled value changed in the rows changes it
+    changed = layers.wo.replace(values=layers.wo.values.at[0, 0, 0].add(1))
+    other = dataclasses.replace(rows, params=rows.params.replace(layers=layers.replace(wo=changed)))
+    assert snapshot.model_identity(other)["fingerprint"] != snapshot.model_identity(plain)["fingerprint"]
 
 
 def test_missing_foreign_and_truncated_directories_are_named(paused, default_model, tmp_path):

@@ -37,29 +37,55 @@ def bf16_llm(make_llm):
     return make_llm(dtype="bfloat16", num_blocks=64)
 
 
+def unique_bytes(*trees) -> int:
+    """The bytes of the distinct buffers among the trees' arrays (views of one buffer counted once)."""
+    buffers = {x.unsafe_buffer_pointer(): x.nbytes for tree in trees for x in jax.tree.leaves(tree)}
+    return sum(buffers.values())
+
+
 @on_cpu
-def test_bfloat16_parameters_are_stored_in_16_bits(bf16_llm, llm):
+def test_bfloat16_parameters_are_stored_in_16_bits_once(bf16_llm, llm, default_model):
     engine = bf16_llm.engine
-    leaves = jax.tree.leaves(engine.model.params)
-    assert engine.param_dtype == jnp.bfloat16 and all(x.dtype == jnp.bfloat16 for x in leaves)
-    assert sum(x.nbytes for x in leaves) == 2 * num_params(engine.model.config)
-    stored = engine.runner.params  # the runner's: bit patterns (the embedding's shared with the model's)
+    served, stored = engine.model.params, engine.runner.params  # the runner's: bit patterns of the model's
+    assert engine.param_dtype == jnp.bfloat16
+    assert all(x.dtype in (jnp.bfloat16, BF16_BITS) for x in jax.tree.leaves(served))
     assert all(x.dtype == BF16_BITS for x in jax.tree.leaves(stored))
-    embed = getattr(stored.embed, "values", stored.embed)
-    assert embed.unsafe_buffer_pointer() == engine.model.params.embed.unsafe_buffer_pointer()
+    # one copy of every weight: what the runner reads is the model's own memory
+    assert unique_bytes(served, stored) == 2 * num_params(engine.model.config)
     if native.available_variants():  # dense weights as [out, in] rows for the native few-row kernel
         assert isinstance(stored.layers.w_up, QuantizedWeight) and stored.layers.w_up.is_16bit
         assert stored.lm_head.values is stored.embed.values  # the tied head: a view of the embedding
-    else:
-        assert stored.layers.w_up.unsafe_buffer_pointer() == engine.model.params.layers.w_up.unsafe_buffer_pointer()
     f32 = llm.engine  # float32: [out, in] rows of the same values where the native kernel is built
     assert f32.param_dtype == jnp.float32 and all(x.dtype == jnp.float32 for x in jax.tree.leaves(f32.runner.params))
+    assert unique_bytes(f32.model.params, f32.runner.params) == 4 * num_params(f32.model.config)
     wq = f32.runner.params.layers.wq
     if native.available_variants():
         assert isinstance(wq, QuantizedWeight) and wq.values.dtype == jnp.float32
-        np.testing.assert_array_equal(np.asarray(quant.dequantize(wq)), np.asarray(f32.model.params.layers.wq))
+        np.testing.assert_array_equal(np.asarray(quant.dequantize(wq)), np.asarray(default_model.params.layers.wq))
     else:
-        assert wq is f32.model.params.layers.wq
+        assert wq is default_model.params.layers.wq
+
+
+@on_cpu
+def test_an_engine_keeps_no_copy_of_the_weights_its_rows_came_from(default_model, llm):
+    """The float rows replace the arrays they were transposed from: once the caller lets go of those,
+    they are freed, and the engine (whose model holds the rows) still serves the same tokens."""
+    import gc
+    import weakref
+
+    from jpaged import LLM
+
+    params = jax.tree.map(lambda x: x + 0, default_model.params)  # arrays of their own, only held here
+    w_up = weakref.ref(params.layers.w_up)
+    tuned = LLM(loaded=default_model, params=params, num_blocks=16)
+    del params
+    gc.collect()
+    assert (w_up() is None) == bool(native.available_variants())  # transposed into rows, then freed
+    again = LLM(loaded=tuned.engine.model, num_blocks=16)  # a served model serves again as it is
+    greedy, prompt = SamplingParams(temperature=0, max_tokens=8), ["The capital of France is"]
+    want = llm.generate(prompt, greedy)[0].outputs[0].token_ids  # the same values, the shared engine's
+    assert tuned.generate(prompt, greedy)[0].outputs[0].token_ids == want
+    assert again.generate(prompt, greedy)[0].outputs[0].token_ids == want
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -107,6 +107,10 @@ class LLMEngine:
       model's own, e.g. fine-tuned ones, of the model's layout and shapes (checked before anything
       is loaded; cast to the engine's parameter dtype). The model's tokenizer and configuration are
       kept; give `loaded=` too so that the model's files are not read again.
+
+    `engine.model` is the model as the engine serves it: its `params` int8 where `quantization` asks, and on
+    one CPU device its bfloat16 and float32 dense weights as [out, in] rows (`QuantizedWeight`s; the only
+    copy the engine keeps), which `LLMEngine(loaded=engine.model)` serves again as they are.
     """
 
     def __init__(self, config: EngineConfig = EngineConfig(), *, loaded: Optional[LoadedModel] = None,
@@ -120,7 +124,8 @@ class LLMEngine:
         # and the parameters': every matmul accumulates in float32 and the activations between them are
         # float32 (jpaged.device.model); on a CPU, the runner holds bfloat16 parameters as their bit
         # patterns (jpaged.device.params.to_storage, sharing their memory), on one CPU device its dense
-        # bfloat16 and float32 weights as [out, in] rows (jpaged.device.quant.float_row_params: a transposed copy)
+        # bfloat16 and float32 weights as [out, in] rows (jpaged.device.quant.float_row_params: a transposed
+        # copy, which `self.model` then holds in place of the arrays it came from)
         self.param_dtype = dtype
         backend = None if runner is not None else get_backend(config.attention_backend, interpret=config.interpret)
         # the pool is sized and checked against the memory there is before any weight is read
@@ -199,10 +204,13 @@ class LLMEngine:
         self.draft_layers = draft_layers
         if runner is None:
             on_cpu = jax.default_backend() == "cpu"
-            # on one CPU device, bfloat16 and float32 dense weights as [out, in] rows for the native few-row
-            # kernel (jpaged.device.quant.float_row_params; as they are without the native library)
-            runner_params = float_row_params(self.model.params) if on_cpu and sharding is None else self.model.params
-            runner = ModelRunner(model_config, to_storage(runner_params) if on_cpu else runner_params,
+            if on_cpu and sharding is None:
+                # on one CPU device, bfloat16 and float32 dense weights as [out, in] rows for the native few-row
+                # kernel (jpaged.device.quant.float_row_params; as they are without the native library). The
+                # rows are the engine's one copy of those weights: the model it serves holds them, and the
+                # arrays they were transposed from are freed unless the caller holds them (`loaded`, `params`)
+                self.model = dataclasses.replace(self.model, params=float_row_params(self.model.params))
+            runner = ModelRunner(model_config, to_storage(self.model.params) if on_cpu else self.model.params,
                                  num_blocks=num_blocks, block_size=config.block_size, dtype=dtype,
                                  num_cpu_blocks=num_cpu_blocks, backend=backend, sharding=sharding, mesh=mesh)
         else:

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.device.quant import QuantizedWeight
+
 FORMAT, VERSION = "jpaged-engine", 3  # 2: one KV pool, each block's K and V side by side; 3: the block manager counts its filled slots
 MARKER = "jpaged-engine.json"
 KEEP = 2  # saves kept in a directory, newest first
@@ -46,15 +48,40 @@ def saved_config(config) -> dict:
 
 def model_identity(model) -> dict:
     """A `LoadedModel`'s config and a fingerprint of its parameters: sha256 over ~4,096 evenly
-    spaced values of every array, rounded to bfloat16 (so a model kept in float32 on a CPU and in
-    bfloat16 on a GPU is the same model)."""
+    spaced values of every array in params.py's layout, rounded to bfloat16 (so a model kept in
+    float32 on a CPU and in bfloat16 on a GPU is the same model, and so is one whose dense weights
+    are float rows, `jpaged.device.quant.float_rows`: sampled where each logical value lies)."""
     digest = hashlib.sha256()
-    for leaf in jax.tree.leaves(model.params):
-        flat = jnp.ravel(leaf)
-        sample = flat[::max(1, flat.size // 4096)].astype(jnp.bfloat16).astype(jnp.float32)
-        digest.update(np.asarray(sample).tobytes())
+    embed = model.params.embed
+    for leaf in jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
+        if isinstance(leaf, QuantizedWeight) and leaf.is_float:
+            if leaf is not embed and isinstance(embed, QuantizedWeight) and leaf.values is embed.values:
+                continue  # a tied head: a view of the embedding's rows (None in params.py's layout)
+            samples = [_logical_sample(leaf)]
+        else:  # arrays, and int8 weights' values and scales as they are stored
+            samples = [_sample(jnp.ravel(array)) for array in jax.tree.leaves(leaf)]
+        for sample in samples:
+            digest.update(np.asarray(sample).astype(jnp.bfloat16).astype(np.float32).tobytes())
     return {"config": saved_config(model.config), "fingerprint": digest.hexdigest()[:32],
             "source": str(model.path)}
+
+
+def _sample(flat):
+    """~4,096 evenly spaced values of a flat array (every one of a small one)."""
+    return flat[::max(1, flat.size // 4096)]
+
+
+def _logical_sample(w: QuantizedWeight) -> np.ndarray:
+    """`_sample` of float rows' values in their logical layout ([*stack, *logical_shape]), gathered where
+    they lie in the [*stack, out, in] rows (a view of them: nothing of the weight is copied)."""
+    rows = np.asarray(w.values)
+    rows = rows.view(jnp.bfloat16) if rows.dtype == np.uint16 else rows  # 16-bit rows: bfloat16 bits
+    stack, shape = rows.shape[:-2], w.logical_shape
+    order = [a for a in range(len(shape)) if a not in w.in_axes] + list(w.in_axes)
+    split = rows.reshape(*stack, *(shape[a] for a in order))
+    logical = split.transpose(*range(len(stack)), *(len(stack) + i for i in np.argsort(order)))
+    index = _sample(np.arange(logical.size))
+    return logical[np.unravel_index(index, logical.shape)].astype(np.float32)
 
 
 def _manifest(engine) -> dict:

@@ -37,8 +37,9 @@ class LLM:
                  loaded: Optional[LoadedModel] = None, runner=None, kv_cache_manager=None, params=None, **kwargs):
         """`loaded` reuses an already loaded model (e.g. one `load_model()` shared by several LLMs);
         `params` serves another parameter pytree of that model's layout (e.g. fine-tuned:
-        `LLM(loaded=llm.engine.model, params=tuned)`); `runner`, `kv_cache_manager` and `params`
-        are passed to `LLMEngine`."""
+        `LLM(loaded=model, params=tuned)`, `model` from `load_model()`; `llm.engine.model` is the model
+        as served, on a CPU with [out, in] rows in place of those arrays); `runner`, `kv_cache_manager`
+        and `params` are passed to `LLMEngine`."""
         self.engine = LLMEngine(EngineConfig(model=model, block_size=block_size, num_blocks=num_blocks,
                                              kv_cache_memory=kv_cache_memory, dtype=dtype, **kwargs),
                                 loaded=loaded, runner=runner, kv_cache_manager=kv_cache_manager, params=params)
