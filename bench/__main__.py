@@ -23,8 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 QUICK = ["memory_utilization", "throughput", "vs_peers", "scheduler_overhead", "mfu", "attention_cpu"]
-FULL = QUICK + ["sharing", "block_size", "preemption", "kv_dtype", "checkpoint_load", "serve_load", "sampler",
-               "sliding_window", "weights_dtype", "speculative", "structured_output", "latency"]
+FULL = QUICK + ["sharing", "block_size", "preemption", "kv_dtype", "checkpoint_load", "weights_memory", "serve_load",
+               "sampler", "sliding_window", "weights_dtype", "speculative", "structured_output", "latency"]
 
 
 def main(argv=None) -> int:
