@@ -48,8 +48,9 @@ def git_state() -> dict:
 
 
 def cpu_info() -> dict:
-    """The CPU as lscpu names it: model, counts, memory, the vector ISA flags that decide the kernels and
-    XLA's matmul paths (AVX2, AVX-512, AVX512-BF16), whether it has AMX, and the load average."""
+    """The CPU as lscpu names it: model (and family: AMD's 25 with AVX-512 is Zen 4, 26 Zen 5), counts, memory,
+    L3 cache, the vector ISA flags that decide the kernels and XLA's matmul paths (AVX2, AVX-512, AVX512-BF16),
+    whether it has AMX, and the load average."""
     lscpu = {}
     with contextlib.suppress(Exception):
         for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
@@ -59,7 +60,8 @@ def cpu_info() -> dict:
     mem_gib = None
     with contextlib.suppress(Exception):
         mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    return {"model_name": lscpu.get("Model name"), "cpus": lscpu.get("CPU(s)"),
+    return {"model_name": lscpu.get("Model name"), "family": lscpu.get("CPU family"), "model": lscpu.get("Model"),
+            "l3_cache": lscpu.get("L3 cache"), "cpus": lscpu.get("CPU(s)"),
             "cores_per_socket": lscpu.get("Core(s) per socket"), "threads_per_core": lscpu.get("Thread(s) per core"),
             "nproc": os.cpu_count(), "memory_gib": mem_gib, "hypervisor": lscpu.get("Hypervisor vendor"),
             "isa": sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma", "f16c")),
@@ -88,13 +90,14 @@ def machine_info(packages=PACKAGES) -> dict:
 def native_info() -> dict:
     """jpaged's native CPU kernels here: the libraries built and runnable on this CPU, best first
     (`variants`), the one jpaged runs by default (`variant`: the first; None: the XLA paths only), and
-    whether its 16-bit weight products run on AMX tiles or on AVX512-BF16's VDPBF16PS. Imports JAX (through
-    jpaged's native module)."""
+    whether its 16-bit weight products run on AMX tiles or on AVX512-BF16's VDPBF16PS, and the most rows of
+    an int8 product its calling thread runs alone. Imports JAX (through jpaged's native module)."""
     from jpaged.device.attention import native
 
     variants = native.available_variants()
     return {"variants": list(variants), "variant": variants[0] if variants else None,
-            "amx_bf16": native.amx_bf16(), "avx512_bf16": native.avx512_bf16()}
+            "amx_bf16": native.amx_bf16(), "avx512_bf16": native.avx512_bf16(),
+            "int8_solo_max_rows": native.int8_solo_max_rows()}
 
 
 def jsonable(x):

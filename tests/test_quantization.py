@@ -5,6 +5,9 @@ with float32."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -57,9 +60,10 @@ def test_int8_matmul_matches_float64(k, n, group, scale_dtype):
 
 
 def test_int8_rows_do_not_depend_on_the_threads():
-    """One or two rows run on the calling thread alone, more rows split their output channels between
-    threads (`kInt8SoloMaxRows` in csrc/int8_matmul.cc): a row's product is the same bits either way,
-    and matches the float64 reference, over enough channels for many work items."""
+    """One or two rows run on the calling thread alone (except on AMD Zen 4: `native.int8_solo_max_rows`),
+    more rows split their output channels between threads (`kInt8SoloMaxRows` in csrc/int8_matmul.cc): a
+    row's product is the same bits either way, and matches the float64 reference, over enough channels for
+    many work items."""
     if not native.available_variants():
         pytest.skip("native kernels not built here")
     rng = np.random.default_rng(3)
@@ -74,6 +78,20 @@ def test_int8_rows_do_not_depend_on_the_threads():
     np.testing.assert_allclose(batched, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     for rows in (1, 2):
         np.testing.assert_array_equal(np.asarray(matmul(x[:rows], w)), batched[:rows])
+
+
+def test_int8_products_of_few_rows_have_a_helper_exactly_on_zen_4():
+    """On AMD family 25 (Zen 4, which runs each 512-bit operation as two 256-bit halves) the AVX-512 library
+    gives even one-row int8 products XLA's intra-op helper; elsewhere, and in the other builds, products of
+    up to 2 rows run on the calling thread alone. Read against /proc/cpuinfo's vendor and family."""
+    if not native.available_variants():
+        pytest.skip("native kernels not built here")
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.exists() else ""
+    vendor, family = re.search(r"vendor_id\s*:\s*(\S+)", text), re.search(r"cpu family\s*:\s*(\d+)", text)
+    zen4 = bool(vendor and family and vendor[1] == "AuthenticAMD" and int(family[1]) == 25)
+    for variant in native.available_variants():
+        assert native.int8_solo_max_rows(variant) == (0 if zen4 and variant == "avx512" else 2), variant
 
 
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])

@@ -142,15 +142,25 @@ def avx512_bf16(variant: str = "auto") -> bool:
     return _library_says(variant, "JpagedAvx512Bf16")
 
 
-def _library_says(variant: str, function: str) -> bool:
-    """The answer of `variant`'s library function `function` (no arguments; False where it is missing)."""
+@functools.cache
+def int8_solo_max_rows(variant: str = "auto") -> int:
+    """The most rows of an int8 product that `variant`'s library runs on the calling thread alone, without
+    XLA's intra-op helper, on this CPU: 2, or 0 where one thread's arithmetic cannot keep up with the memory
+    (AMD Zen 4, which splits each 512-bit operation in two: `csrc/int8_matmul.cc`). 0 where the native
+    kernels cannot run."""
+    return _library_says(variant, "JpagedInt8SoloMaxRows", int)
+
+
+def _library_says(variant: str, function: str, kind=bool):
+    """The answer of `variant`'s library function `function` (no arguments) as `kind`: `kind()` (False, 0)
+    where it is missing."""
     variants = available_variants()
     if variant == "auto":
         variant = variants[0] if variants else None
     if variant not in variants:
-        return False
+        return kind()
     check = getattr(_library(variant), function, None)
-    return check is not None and bool(check())
+    return kind() if check is None else kind(check())
 
 
 def row_queries(inputs):

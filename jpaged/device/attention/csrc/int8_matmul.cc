@@ -59,9 +59,11 @@
 #if defined(__AVX512F__) && defined(__x86_64__)
 #define JPAGED_AVX512_BF16 1  // the AVX-512 build also holds the AVX512-BF16 path, used where the CPU has it
 #endif
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 #if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
 #define JPAGED_AMX 1  // the AVX-512 build also holds the AMX bfloat16 path, used where the CPU and OS allow it
-#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -114,8 +116,36 @@ constexpr int64_t kFewRowsTile = 256;
 // per-channel scales 5.6-6.6 against 4.2-4.5; two rows 8.6-9.0 against 6.6-7.0; at four rows the helper won
 // (10.2-10.6 against 11.8-12.1) and at eight by 1.55x. A single 18.8 MB int8 call of one row was faster alone
 // too (27-32 against 25-28 GB/s), so it is not the helper's wake-up alone. Float rows keep their helper (the
-// bfloat16 chain: 8.2-8.5 ms with it, 9.6-9.8 alone).
+// bfloat16 chain: 8.2-8.5 ms with it, 9.6-9.8 alone). (That machine's CPU family was not recorded; one of its
+// threads read int8 weights at 27-32 GB/s, as a core with full-width 512-bit units would.)
+// On AMD Zen 4 (family 19h, the first with AVX-512), which runs each 512-bit operation as two 256-bit halves,
+// one thread's arithmetic is what bounds the same products: a register of 16 weights takes a sign extension, a
+// conversion, a scaling and a multiply-add, and one row made 20-22 GB/s of int8 weights alone, in cache and
+// from memory alike, where the memory reads 34-37 (kernel alone, 11.8 and 151 MB weights of one row); with
+// the helper 41-43 and 32-35 GB/s. There every int8 product has its helper (Int8SoloMaxRows): one stream of
+// the Q8_0 file served, 9.2 -> 7.4 ms a token (llama.cpp 7.0-7.3, the same machine, alternating).
 constexpr int64_t kInt8SoloMaxRows = 2;
+
+// Whether this CPU runs 512-bit vector operations as two 256-bit halves: AMD family 19h (Zen 3 and Zen 4;
+// only Zen 4 has AVX-512, so only the AVX-512 build asks). Read once, from CPUID.
+bool SplitsWideVectors() {
+#if defined(__AVX512F__) && defined(__x86_64__)
+  static const bool split = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
+    if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+    const unsigned base = (eax >> 8) & 0xF, family = base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
+    return family == 0x19;
+  }();
+  return split;
+#else
+  return false;
+#endif
+}
+
+// The most rows of an int8 product that run on the calling thread alone, on this CPU (kInt8SoloMaxRows).
+int64_t Int8SoloMaxRows() { return SplitsWideVectors() ? 0 : kInt8SoloMaxRows; }
 
 struct Bf16 {  // a bfloat16 weight, as its bit pattern
   uint16_t bits;
@@ -676,7 +706,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
                                 K / groups, y};
   }
   work->tile = type == ffi::DataType::F16 ? Tile<int8_t, _Float16> : Tile<int8_t, float>;
-  work->solo = M <= kInt8SoloMaxRows;
+  work->solo = M <= Int8SoloMaxRows();
   return Run(pool, std::move(work));
 }
 
@@ -787,6 +817,9 @@ extern "C" int JpagedAmxBf16() {
   return 0;
 #endif
 }
+
+// The most rows of an int8 product that this library runs on the calling thread alone, on this CPU.
+extern "C" int JpagedInt8SoloMaxRows() { return static_cast<int>(Int8SoloMaxRows()); }
 
 // Whether the float-rows matmul of this library runs bfloat16 weights on VDPBF16PS (the AVX-512 build, on a
 // CPU with AVX512-BF16, where the AMX path does not take them).
