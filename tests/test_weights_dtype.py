@@ -67,7 +67,7 @@ def test_bfloat16_parameters_are_stored_in_16_bits_once(bf16_llm, llm, default_m
 
 
 @on_cpu
-def test_an_engine_keeps_no_copy_of_the_weights_its_rows_came_from(default_model, llm):
+def test_an_engine_keeps_no_copy_of_the_weights_its_rows_came_from(default_model, llm, bf16_llm):
     """The float rows replace the arrays they were transposed from: once the caller lets go of those,
     they are freed, and the engine (whose model holds the rows) still serves the same tokens."""
     import gc
@@ -86,6 +86,14 @@ def test_an_engine_keeps_no_copy_of_the_weights_its_rows_came_from(default_model
     want = llm.generate(prompt, greedy)[0].outputs[0].token_ids  # the same values, the shared engine's
     assert tuned.generate(prompt, greedy)[0].outputs[0].token_ids == want
     assert again.generate(prompt, greedy)[0].outputs[0].token_ids == want
+    # served at another width, the rows are cast as the arrays would be: the bfloat16 engine's tokens
+    narrower = LLM(loaded=tuned.engine.model, num_blocks=16, dtype="bfloat16")
+    stored = narrower.engine.runner.params
+    assert all(x.dtype == BF16_BITS for x in jax.tree.leaves(stored))
+    if native.available_variants():  # rows again, the tied head a view of the embedding's
+        assert stored.lm_head.values is stored.embed.values
+    assert narrower.generate(prompt, greedy)[0].outputs[0].token_ids == \
+        bf16_llm.generate(prompt, greedy)[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

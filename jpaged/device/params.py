@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jpaged.device.quant import QuantizedWeight
+from jpaged.device.quant import QuantizedWeight, dequantize
 
 BF16_BITS = jnp.dtype(jnp.uint16)  # a bfloat16 parameter stored as its bit patterns (`to_storage`)
 
@@ -152,11 +152,20 @@ def check_params(params, config) -> None:
 
 
 def cast_params(params: LlamaParams, dtype) -> LlamaParams:
-    """Returns `params` with every floating leaf cast to `dtype`; int8 and 16-bit-row weights
-    (`QuantizedWeight`) stay as they are."""
+    """Returns `params` with every floating leaf cast to `dtype`. int8 weights (`QuantizedWeight`) stay as
+    they are, and so do float rows (a CPU engine's form of its weights, `quant.float_row_params`) already of
+    `dtype`; float rows of another dtype become arrays of this module's layout again, cast (a tied head, a
+    view of the embedding's rows, None again)."""
+    dtype = jnp.dtype(dtype)
+
     def cast(x):
-        return x.astype(dtype) if not isinstance(x, QuantizedWeight) and jnp.issubdtype(x.dtype, jnp.floating) else x
-    return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        if isinstance(x, QuantizedWeight):
+            return dequantize(x).astype(dtype) if x.is_float and x.dtype != dtype else x
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    tied = isinstance(params.embed, QuantizedWeight) and isinstance(params.lm_head, QuantizedWeight) \
+        and params.lm_head.values is params.embed.values
+    cast_tree = jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return cast_tree.replace(lm_head=None) if tied and not isinstance(cast_tree.embed, QuantizedWeight) else cast_tree
 
 
 def single_cpu_device(tree):
