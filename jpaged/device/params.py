@@ -129,9 +129,7 @@ def check_params(params, config) -> None:
     if not isinstance(params, LlamaParams):
         raise ValueError(f"params must be a LlamaParams (jpaged.device.params), got {type(params).__name__}")
     expected = param_shapes(config)
-    tied_view = isinstance(params.lm_head, QuantizedWeight) and isinstance(params.embed, QuantizedWeight) \
-        and params.lm_head.values is params.embed.values
-    if expected.lm_head is None and tied_view:  # a tied int8 / 16-bit-rows head: the embedding itself
+    if expected.lm_head is None and tied_head_view(params):  # a tied int8 / float-rows head: the embedding itself
         params = params.replace(lm_head=None)
     if (params.lm_head is None) != (expected.lm_head is None):
         raise ValueError(f"params {'lack' if params.lm_head is None else 'have'} an lm_head, but this model's "
@@ -162,10 +160,16 @@ def cast_params(params: LlamaParams, dtype) -> LlamaParams:
         if isinstance(x, QuantizedWeight):
             return dequantize(x).astype(dtype) if x.is_float and x.dtype != dtype else x
         return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-    tied = isinstance(params.embed, QuantizedWeight) and isinstance(params.lm_head, QuantizedWeight) \
-        and params.lm_head.values is params.embed.values
     cast_tree = jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-    return cast_tree.replace(lm_head=None) if tied and not isinstance(cast_tree.embed, QuantizedWeight) else cast_tree
+    tied = tied_head_view(params) and not isinstance(cast_tree.embed, QuantizedWeight)
+    return cast_tree.replace(lm_head=None) if tied else cast_tree
+
+
+def tied_head_view(params: LlamaParams) -> bool:
+    """Whether `params.lm_head` is the tied embedding's own arrays viewed as the head (`QuantizedWeight.T`, what
+    int8 and float-row weights hold where params.py's layout has lm_head None)."""
+    return isinstance(params.embed, QuantizedWeight) and isinstance(params.lm_head, QuantizedWeight) \
+        and params.lm_head.values is params.embed.values
 
 
 def single_cpu_device(tree):

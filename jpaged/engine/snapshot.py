@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.device.params import tied_head_view
 from jpaged.device.quant import QuantizedWeight
 
 FORMAT, VERSION = "jpaged-engine", 3  # 2: one KV pool, each block's K and V side by side; 3: the block manager counts its filled slots
@@ -52,11 +53,11 @@ def model_identity(model) -> dict:
     float32 on a CPU and in bfloat16 on a GPU is the same model, and so is one whose dense weights
     are float rows, `jpaged.device.quant.float_rows`: sampled where each logical value lies)."""
     digest = hashlib.sha256()
-    embed = model.params.embed
-    for leaf in jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
+    params = model.params
+    if tied_head_view(params) and params.embed.is_float:  # a view of the embedding's rows: None in params.py's
+        params = params.replace(lm_head=None)  # layout (an int8 head's view is hashed, as it always was)
+    for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
         if isinstance(leaf, QuantizedWeight) and leaf.is_float:
-            if leaf is not embed and isinstance(embed, QuantizedWeight) and leaf.values is embed.values:
-                continue  # a tied head: a view of the embedding's rows (None in params.py's layout)
             samples = [_logical_sample(leaf)]
         else:  # arrays, and int8 weights' values and scales as they are stored
             samples = [_sample(jnp.ravel(array)) for array in jax.tree.leaves(leaf)]
