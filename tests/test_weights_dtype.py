@@ -96,6 +96,51 @@ def test_an_engine_keeps_no_copy_of_the_weights_its_rows_came_from(default_model
         bf16_llm.generate(prompt, greedy)[0].outputs[0].token_ids
 
 
+def huge_page_bytes(ranges) -> int:
+    """The bytes of 2 MiB pages (/proc/self/smaps' AnonHugePages) in the mappings that overlap any of `ranges`
+    ([start, end) address pairs), each mapping counted once."""
+    total, overlaps = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(v, 16) for v in head.split("-"))
+            overlaps = any(start < high and low < end for start, end in ranges)
+        elif head == "AnonHugePages:" and overlaps:
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def huge_pages_allowed() -> bool:
+    """Whether this Linux collapses pages on request: transparent huge pages not off, and MADV_COLLAPSE (6.1)."""
+    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not enabled.exists() or "[never]" in enabled.read_text():
+        return False
+    import platform
+    major, minor = (int(v) for v in platform.release().split(".")[:2])
+    return (major, minor) >= (6, 1)
+
+
+@on_cpu
+def test_an_engines_weights_are_on_huge_pages_where_linux_allows(bf16_llm):
+    """A CPU engine's weights, read whole every decode step, are collapsed onto 2 MiB pages
+    (jpaged.device.huge_pages), their values unchanged."""
+    from jpaged.device.huge_pages import advise_huge_pages, huge_range
+
+    if not huge_pages_allowed():
+        pytest.skip("this Linux does not collapse pages into transparent huge pages on request")
+    x = jnp.arange(3 * 2**20, dtype=jnp.float32) + 1  # 12 MiB of its own: at least 5 whole huge pages
+    start, end = huge_range(x.unsafe_buffer_pointer(), x.nbytes)
+    assert huge_page_bytes([(start, end)]) < end - start  # written on 4 KiB pages (transparent huge pages: madvise)
+    assert advise_huge_pages({"x": x}) == end - start
+    assert huge_page_bytes([(start, end)]) >= end - start
+    np.testing.assert_array_equal(np.asarray(x), np.arange(3 * 2**20, dtype=np.float32) + 1)
+    # the engine's: nearly all of its weights' whole huge pages
+    ranges = {huge_range(a.unsafe_buffer_pointer(), a.nbytes) for a in jax.tree.leaves(bf16_llm.engine.model.params)}
+    ranges = [r for r in ranges if r[0] < r[1]]  # a tied head's view of the embedding once
+    wanted = sum(end - start for start, end in ranges)
+    assert wanted > 0 and huge_page_bytes(ranges) >= 0.9 * wanted
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("tied", [False, True])
 def test_lm_head_accumulates_and_returns_float32(default_model, dtype, tied):

@@ -47,6 +47,7 @@ from jpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jpaged.core.structured_output import GrammarCompiler, fill_bitmask
 from jpaged.core.sequence import GroupStatus, Sequence, SequenceGroup
 from jpaged.device.attention import get_backend
+from jpaged.device.huge_pages import advise_huge_pages
 from jpaged.device.kv_cache import bytes_per_block, check_pool_fits, num_blocks_for_memory, parse_memory_size
 from jpaged.device.params import LlamaParams, cast_params, check_params, num_params, to_storage
 from jpaged.device.quant import float_row_params, quantize_params
@@ -210,6 +211,7 @@ class LLMEngine:
                 # rows are the engine's one copy of those weights: the model it serves holds them, and the
                 # arrays they were transposed from are freed unless the caller holds them (`loaded`, `params`)
                 self.model = dataclasses.replace(self.model, params=float_row_params(self.model.params))
+                advise_huge_pages(self.model.params)  # read whole every step: on 2 MiB pages where Linux allows
             runner = ModelRunner(model_config, to_storage(self.model.params) if on_cpu else self.model.params,
                                  num_blocks=num_blocks, block_size=config.block_size, dtype=dtype,
                                  num_cpu_blocks=num_cpu_blocks, backend=backend, sharding=sharding, mesh=mesh)

@@ -34,7 +34,8 @@
 // float32 (and scaled) in registers (bfloat16: a 16-bit shift), then multiplied into up to 8 rows of x
 // (float32 accumulation); bfloat16 weights on a CPU with AVX512-BF16 are not widened (Bf16DotBlock), and on
 // one with AMX-BF16 they go through tiles (AmxBlock). Output channels are split in tiles between the
-// calling thread and XLA's intra-op threads (int8 weights by one or two rows: the calling thread alone);
+// calling thread and helper threads (work_list.h's Crew; int8 weights by one or two rows off AMD Zen 4: the
+// calling thread alone);
 // inside a tile, rows go in chunks of up to 8, so a tile's weights are reused from cache by every chunk.
 //
 // Built into the same per-instruction-set libraries as paged_attention.cc (setup.py), with GCC's
@@ -391,11 +392,25 @@ inline void AnyBlock(const Problem& p, int64_t m0, int64_t n0) {
     Block<W, S, R, NO>(p, m0, n0);
 }
 
-// Rows [m0, m0 + R) by the channels [n0, n1): NO at a time (8 accumulators or more: kWideChannels), the
-// rest one by one.
+// Channels per block of one row of x (Rows): each is a stream of the weights read side by side with the
+// block's others. On the AVX-512 build, int8 and VDPBF16PS's bfloat16 weights read faster 4 streams at a
+// time than 8, float32 ones slower: the default model's 121 one-row products as a chain of dependent calls,
+// int8 (Q8_0) 0.89-0.95x the time with 4, bfloat16 0.93-0.97x, float32 1.06-1.11x (AMD EPYC Zen 4, 2 cores;
+// both in one process, alternating); the kernel alone, one thread, 151 MB of bfloat16 weights from memory,
+// 16-23 GB/s with 8, 20-26 with 4.
+template <typename W>
+constexpr int kOneRowChannels =
+#if defined(__AVX512F__)
+    std::is_same_v<W, int8_t> || std::is_same_v<W, Bf16Dot> ? 4 : 8;
+#else
+    8;
+#endif
+
+// Rows [m0, m0 + R) by the channels [n0, n1): NO at a time (8 accumulators or more: kWideChannels; one
+// row: kOneRowChannels), the rest one by one.
 template <typename W, typename S, int R>
 void Rows(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
-  constexpr int NO = R >= 8 ? 1 : R >= 4 ? kWideChannels : R >= 2 ? 4 : 8;
+  constexpr int NO = R >= 8 ? 1 : R >= 4 ? kWideChannels : R >= 2 ? 4 : kOneRowChannels<W>;
   int64_t n = n0;
   for (; n + NO <= n1; n += NO) AnyBlock<W, S, R, NO>(p, m0, n);
   for (; n < n1; ++n) AnyBlock<W, S, R, 1>(p, m0, n);
@@ -573,8 +588,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void AmxTile(const Problem& p, int6
 
 // The work items of one call: for each of its problems (one weight each, all of the same rows of x), rows
 // [m0, m1) by channels [n0, n1) (a chunk of rows by that problem's tile_channels channels, the rows' chunks
-// outermost), the problems' items one after another; claimed by the calling thread and XLA's intra-op
-// threads; threads that start after the last item was claimed return without touching the buffers (which
+// outermost), the problems' items one after another; claimed by the calling thread and the crew's helpers
+// (work_list.h); threads that start after the last item was claimed return without touching the buffers (which
 // live only until the handler returns). Where x must be packed first (the AMX path), its blocks of rows are
 // claimed the same way before any item (once for every problem: they share x), and a thread takes items
 // only once every block is packed (it waits at most for the blocks other threads are packing: a few
@@ -623,9 +638,11 @@ struct Work {
   }
 };
 
-// Runs `work` (its problems, tile function and row chunk set) on the calling thread and XLA's intra-op
-// threads, or on the calling thread alone where `work->solo`; a call of few rows off the AMX tiles takes
-// kFewRowsTile channels an item.
+// Runs `work` (its problems, tile function and row chunk set) on the calling thread and the crew (as many
+// helpers as XLA has intra-op threads, less one: work_list.h), or on the calling thread alone where
+// `work->solo`; a call of few rows off the AMX tiles takes kFewRowsTile channels an item. The crew, against
+// XLA's intra-op threads scheduled per call: the default model's 121 one-row products as a chain of dependent
+// calls, 0.92-0.95x the time at bfloat16 (AMD EPYC Zen 4, 2 cores; both in one process, alternating).
 ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
   if (work->problems[0].M == 0) return ffi::Error::Success();
   if (work->pack == nullptr) work->UseFewRowsTiles();  // not on the AMX tiles (which pack x first)
@@ -636,8 +653,8 @@ ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
   }
   work->items = work->first_item[work->num_problems];
   if (work->items == 0) return ffi::Error::Success();
-  const int64_t helpers = work->solo ? 0 : std::min<int64_t>(pool.num_threads(), work->items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
+  if (!work->solo && work->items > 1 && pool.num_threads() > 1)
+    Crew::Get(static_cast<int>(pool.num_threads()) - 1).Offer([work] { work->Drain(); });
   work->Drain();
   AwaitItems(work->done, work->items, work->mu, work->finished);
   return ffi::Error::Success();

@@ -1,12 +1,15 @@
-// What the native kernels' work lists share: a call's items are claimed by the calling thread and XLA's
-// intra-op threads, and the call returns once every item is done.
+// What the native kernels' work lists share: a call's items are claimed by the calling thread and helper
+// threads (XLA's intra-op threads, or the weight products' own Crew), and the call returns once every item is
+// done.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
+#include <thread>
 
 inline void Pause() {  // a spin-wait's hint to the core
 #if defined(__x86_64__) || defined(__i386__)
@@ -34,3 +37,77 @@ inline void AwaitItems(const std::atomic<int64_t>& done, int64_t total, std::mut
     }
   }
 }
+
+// Helper threads of the weight products' own, kept for the life of the process: a call offers its work
+// (`Offer`) and every helper runs it (a work's Drain claims items, so each item still runs once; a helper
+// that comes late finds none left). After a task a helper spins for up to kCrewIdle, yielding its core to
+// any other runnable thread at each turn, then sleeps until the next offer. A decode step makes a chain of
+// calls a few to a hundred microseconds long with XLA's small operations between them: XLA's intra-op
+// threads, scheduled per call, were asleep or stealing elsewhere when a call began, so the calling thread
+// read most of a call's weights alone. The caller never waits for a helper to start (it drains the
+// items itself), so a crew that never runs (no core free, a forked child without its threads) is only
+// slower. One offer is pending at a time: a second caller's offer replaces the first's, whose caller then
+// runs what is left of it alone.
+constexpr auto kCrewIdle = std::chrono::microseconds(200);
+
+class Crew {
+ public:
+  // The process's crew of `helpers` threads (the count of the first call; never destroyed, so that no
+  // helper outlives it at exit).
+  static Crew& Get(int helpers) {
+    static Crew* crew = new Crew(helpers);
+    return *crew;
+  }
+
+  // Every helper runs `task` once, as soon as it is free (or not at all, if another offer replaces this one
+  // first: the caller must not depend on it).
+  void Offer(std::function<void()> task) {
+    bool sleeping;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      task_ = std::move(task);
+      offers_.fetch_add(1, std::memory_order_release);
+      sleeping = sleeping_ > 0;
+    }
+    if (sleeping) wake_.notify_all();
+  }
+
+ private:
+  explicit Crew(int helpers) {
+    for (int i = 0; i < helpers; ++i) std::thread([this] { Serve(); }).detach();
+  }
+
+  void Serve() {
+    uint64_t seen = 0;
+    for (;;) {
+      const auto idle_since = std::chrono::steady_clock::now();
+      for (int spins = 1; offers_.load(std::memory_order_acquire) == seen; ++spins) {
+        if (spins % 16 != 0) {
+          Pause();
+          continue;
+        }
+        std::this_thread::yield();
+        if (std::chrono::steady_clock::now() - idle_since > kCrewIdle) {
+          std::unique_lock<std::mutex> lock(mu_);
+          ++sleeping_;
+          wake_.wait(lock, [&] { return offers_.load() != seen; });
+          --sleeping_;
+          break;
+        }
+      }
+      std::function<void()> task;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        task = task_;
+        seen = offers_.load();
+      }
+      if (task) task();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::atomic<uint64_t> offers_{0};  // how many offers were made (a helper runs the latest once)
+  std::function<void()> task_;       // the latest offer (guarded by mu_)
+  int sleeping_ = 0;                 // helpers asleep on wake_ (guarded by mu_)
+};
