@@ -35,8 +35,8 @@
 // (float32 accumulation); bfloat16 weights on a CPU with AVX512-BF16 are not widened (Bf16DotBlock), and on
 // one with AMX-BF16 they go through tiles (AmxBlock). Output channels are split in tiles between the
 // calling thread and helper threads (work_list.h's Crew; int8 weights by one or two rows off AMD Zen 4: the
-// calling thread alone);
-// inside a tile, rows go in chunks of up to 8, so a tile's weights are reused from cache by every chunk.
+// calling thread alone); inside a tile, rows go in chunks of up to 8, so a tile's weights are reused from
+// cache by every chunk.
 //
 // Built into the same per-instruction-set libraries as paged_attention.cc (setup.py), with GCC's
 // vector extensions: the variants differ only in their vector width and the instructions the
@@ -274,13 +274,15 @@ inline void Block(const Problem& p, int64_t m0, int64_t n0) {
   // hardware prefetchers, and a decode step's weights come from memory. Measured on an Intel Xeon (2
   // cores), bfloat16 [1536 x 576] weights of 60 layers, one row: 23 -> 35 GB/s as independent products,
   // 15 -> 21 GB/s as a chain of dependent ones. (Reading each channel whole, one sequential stream,
-  // was slower, with or without prefetches.) Prefetches past the matrix's end never fault. float32
-  // weights are not prefetched: NO of their rows are a stream the hardware prefetchers keep up with, and
-  // the prefetches slowed it (the default model's 30 layers of float32 rows, one row, a chain of
-  // dependent products: 20.4-23.7 ms with them, 18.0-19.6 without; its one-row decode step 28.0-28.4 ->
-  // 25.3-25.5 ms, alternating processes). int8 weights need them (the same chain 8.3-9.7 ms with them,
-  // 10.9-13.2 without).
-  constexpr bool kPrefetch = sizeof(W) < 4;
+  // was slower, with or without prefetches.) Prefetches past the matrix's end never fault. int8 weights
+  // need them (the default model's 30 layers, one row, a chain of dependent products: 8.3-9.7 ms with
+  // them, 10.9-13.2 without). float32 weights were not prefetched while they lay on 4 KiB pages, where the
+  // prefetches slowed them (the same chain 20.4-23.7 ms with them, 18.0-19.6 without; alternating
+  // processes, a machine whose CPU was not recorded) and still do (AMD EPYC Zen 4: 1.04x the time); on the
+  // 2 MiB pages an engine's weights now get (jpaged/device/huge_pages.py), one row of them is faster with
+  // them (0.91x the time, one process alternating; 0.91-0.95x against the library without, alternating
+  // processes), 16 rows slower (1.04-1.06x), so float32 weights are prefetched for one row only.
+  constexpr bool kPrefetch = sizeof(W) < 4 || R == 1;
   const char* ahead = reinterpret_cast<const char*>(w + (n0 + NO) * K);
   VF acc[R][NO] = {};
   float tail[R][NO] = {};
