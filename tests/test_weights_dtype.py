@@ -134,7 +134,7 @@ def test_an_engines_weights_are_on_huge_pages_where_linux_allows(bf16_llm):
     assert huge_page_bytes([(start, end)]) >= end - start
     np.testing.assert_array_equal(np.asarray(x), np.arange(3 * 2**20, dtype=np.float32) + 1)
     # the engine's: nearly all of its weights' whole huge pages (written on 4 KiB pages where transparent huge
-    # pages are "madvise": without the engine's advice, none of the bfloat16 weights' were, on the machine this was written on)
+    # pages are "madvise": without the engine's advice, none of the bfloat16 weights' were, where this was written)
     ranges = {huge_range(a.unsafe_buffer_pointer(), a.nbytes) for a in jax.tree.leaves(bf16_llm.engine.model.params)}
     ranges = [r for r in ranges if r[0] < r[1]]  # a tied head's view of the embedding once
     wanted = sum(end - start for start, end in ranges)
