@@ -90,14 +90,18 @@ def machine_info(packages=PACKAGES) -> dict:
 def native_info() -> dict:
     """jpaged's native CPU kernels here: the libraries built and runnable on this CPU, best first
     (`variants`), the one jpaged runs by default (`variant`: the first; None: the XLA paths only), and
-    whether its 16-bit weight products run on AMX tiles or on AVX512-BF16's VDPBF16PS, and the most rows of
-    an int8 product its calling thread runs alone. Imports JAX (through jpaged's native module)."""
+    whether its 16-bit weight products run on AMX tiles or on AVX512-BF16's VDPBF16PS, the most rows of
+    an int8 product its calling thread runs alone, and Linux's transparent huge pages setting (the engine
+    asks for them for its weights: `jpaged.device.huge_pages`; None off Linux). Imports JAX (through jpaged's
+    native module)."""
     from jpaged.device.attention import native
 
     variants = native.available_variants()
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     return {"variants": list(variants), "variant": variants[0] if variants else None,
             "amx_bf16": native.amx_bf16(), "avx512_bf16": native.avx512_bf16(),
-            "int8_solo_max_rows": native.int8_solo_max_rows()}
+            "int8_solo_max_rows": native.int8_solo_max_rows(),
+            "transparent_hugepage": thp.read_text().strip() if thp.exists() else None}
 
 
 def jsonable(x):
