@@ -82,7 +82,7 @@ def test_int8_rows_do_not_depend_on_the_threads():
 
 def test_int8_products_of_few_rows_have_a_helper_exactly_on_zen_4():
     """On AMD family 25 (Zen 4, which runs each 512-bit operation as two 256-bit halves) the AVX-512 library
-    gives even one-row int8 products XLA's intra-op helper; elsewhere, and in the other builds, products of
+    gives even one-row int8 products a helper thread; elsewhere, and in the other builds, products of
     up to 2 rows run on the calling thread alone. Read against /proc/cpuinfo's vendor and family."""
     if not native.available_variants():
         pytest.skip("native kernels not built here")
