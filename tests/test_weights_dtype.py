@@ -116,8 +116,9 @@ def huge_pages_allowed() -> bool:
     if not enabled.exists() or "[never]" in enabled.read_text():
         return False
     import platform
-    major, minor = (int(v) for v in platform.release().split(".")[:2])
-    return (major, minor) >= (6, 1)
+    import re
+    version = re.match(r"(\d+)\.(\d+)", platform.release())
+    return version is not None and (int(version[1]), int(version[2])) >= (6, 1)
 
 
 @on_cpu

@@ -12,6 +12,7 @@ of the weights in one process, alternating)."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import sys
 
 import jax
@@ -57,6 +58,12 @@ def advise_huge_pages(tree) -> int:
         start, end = huge_range(a.unsafe_buffer_pointer(), a.nbytes)
         if end <= start:
             continue
-        if madvise(start, end - start, _MADV_HUGEPAGE) == 0 and madvise(start, end - start, _MADV_COLLAPSE) == 0:
-            collapsed += end - start
+        if madvise(start, end - start, _MADV_HUGEPAGE) != 0:
+            continue
+        for _ in range(2):  # once more after a transient failure (EAGAIN: no huge page free at that moment)
+            if madvise(start, end - start, _MADV_COLLAPSE) == 0:
+                collapsed += end - start
+                break
+            if ctypes.get_errno() != errno.EAGAIN:
+                break
     return collapsed
