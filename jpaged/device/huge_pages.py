@@ -17,6 +17,8 @@ import sys
 
 import jax
 
+from jpaged.device.params import single_cpu_device
+
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
 HUGE_PAGE = 1 << 21
@@ -42,16 +44,15 @@ def huge_range(pointer: int, nbytes: int) -> tuple[int, int]:
 
 
 def advise_huge_pages(tree) -> int:
-    """Asks Linux to back each array of `tree` that lives on one CPU device with 2 MiB pages: the whole huge
-    pages inside its buffer are marked for them (MADV_HUGEPAGE) and collapsed now (MADV_COLLAPSE). Waits for
-    the arrays to be computed first. Values and addresses do not change; nothing happens where the OS
-    declines (another OS, transparent huge pages off, a kernel before 6.1, no free huge page), which only
-    leaves the reads slower. Returns the bytes collapsed."""
+    """Asks Linux to back the arrays of `tree`, where they all live on one CPU device, with 2 MiB pages: the
+    whole huge pages inside each buffer are marked for them (MADV_HUGEPAGE) and collapsed now (MADV_COLLAPSE).
+    Waits for the arrays to be computed first. Values and addresses do not change; nothing happens where the
+    arrays are elsewhere or the OS declines (another OS, transparent huge pages off, a kernel before 6.1, no
+    free huge page), which only leaves the reads slower. Returns the bytes collapsed."""
     madvise = _madvise()
-    if madvise is None:
+    if madvise is None or single_cpu_device(tree) is None:
         return 0
-    arrays = [a for a in jax.tree_util.tree_leaves(tree)
-              if isinstance(a, jax.Array) and len(a.devices()) == 1 and next(iter(a.devices())).platform == "cpu"]
+    arrays = [a for a in jax.tree_util.tree_leaves(tree) if isinstance(a, jax.Array)]
     jax.block_until_ready(arrays)
     collapsed = 0
     for a in arrays:
