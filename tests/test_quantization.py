@@ -18,7 +18,7 @@ import transformers
 
 from jpaged.core.sampling_params import SamplingParams
 from jpaged.device.attention import native
-from jpaged.device.model import sequence_logits
+from jpaged.device.model import compute_logits, sequence_logits
 from jpaged.device.quant import (NATIVE_MAX_ROWS, QuantizedWeight, float_rows, dequantize, quantize, quantize_params,
                                  quantized_matmul, take_rows)
 from jpaged.engine import EngineConfig
@@ -122,6 +122,26 @@ def test_a_layer_of_a_stack_is_read_in_place(kind):
             operands = (x[:1], np.int32(3), w.values)
         with pytest.raises(Exception, match="layer out of range"):
             call(*operands)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_int8_lm_head_matches_float64(default_model, tied):
+    """An int8 LM head (Q8_0 groups) of the default model's shape, tied (the embedding's rows) or not:
+    the logits of the rows the native kernel takes (one call) and of more (chunks of 4096 vocabulary
+    columns, XLA's dequantize-then-dot in each) against the float64 reference."""
+    config = default_model.config
+    rng = np.random.default_rng(5)
+    head = rng.standard_normal((config.hidden_size, config.vocab_size)).astype(np.float32) * 0.05
+    w = quantize(head, head.shape, (0,), group_size=32)
+    params = (default_model.params.replace(embed=w.T, lm_head=w) if tied
+              else default_model.params.replace(lm_head=w))
+    logits = jax.jit(lambda p, h: compute_logits(p, h, config=config))
+    for rows in (1, NATIVE_MAX_ROWS + 5):
+        hidden = rng.standard_normal((rows, config.hidden_size)).astype(np.float32)
+        ref = _reference(hidden, np.asarray(w.values), np.asarray(w.scales))
+        got = logits(params, hidden)
+        assert got.dtype == jnp.float32 and got.shape == (rows, config.vocab_size)
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 def test_native_kernel_is_the_few_row_path():

@@ -227,26 +227,31 @@ def compute_logits(params: LlamaParams, hidden, *, config: ModelConfig) -> jax.A
 
 
 def _lm_head(hidden, w):
-    """hidden f[..., hidden] @ w [hidden, vocab] -> f32[..., vocab]; an int8 head is one `_matmul`, and so
-    is a float-rows head (`QuantizedWeight`) of the rows the native kernel takes, `native_max_rows(w)`
-    (one row: 1.5 ms for the default model's; 64 rows on AMX tiles: 3-4 ms, XLA's dot 17 ms). Another
-    16-bit head on a CPU is a scan over `_LM_HEAD_CHUNK` vocabulary columns at a time: XLA's CPU dot of
-    one 16-bit row by the whole [576, 49152] head of the default model took 50-80 ms (float32: 4-6 ms),
-    in chunks 6 ms; a 16-bit-rows head of 4-32 rows (XLA's dot in each chunk) 1.2-4x faster in chunks
-    than in one call."""
+    """hidden f[..., hidden] @ w [hidden, vocab] -> f32[..., vocab]; a `QuantizedWeight` head (int8 or float
+    rows) of the rows the native kernel takes, `native_max_rows(w)`, is one `_matmul` (one row of the default
+    model's 16-bit head: 1.5 ms; 64 rows on AMX tiles: 3-4 ms, XLA's dot 17 ms), and so is a float32 one. On
+    a CPU, a 16-bit head (plain, or rows past the kernel's) and an int8 head past the kernel's rows are a
+    scan over `_LM_HEAD_CHUNK` vocabulary columns at a time: XLA's CPU dot of one 16-bit row by the whole
+    [576, 49152] head of the default model took 50-80 ms (float32: 4-6 ms), in chunks 6 ms; a 16-bit-rows
+    head of 4-32 rows (XLA's dot in each chunk) 1.2-4x faster in chunks than in one call; an int8 head, whose
+    XLA product dequantizes the weights it reads, writes and reads back 9 MB a chunk instead of the whole
+    head's 113 MB of float32 (Q8_0, AMD EPYC Zen 4, 2 cores, kernel alone: 64 rows 52-60 -> 22-26 ms,
+    128 rows 71 -> 42). A chunk's logits agree with one call's to float32 rounding (XLA's dot orders the sums
+    its own way)."""
     vocab, size = w.shape[-1], _LM_HEAD_CHUNK
     num_chunks = vocab // size
-    rows16 = isinstance(w, QuantizedWeight) and w.is_16bit and w.values.ndim == 2
+    chunked_kind = isinstance(w, QuantizedWeight) and w.values.ndim == 2 and (w.is_16bit or not w.is_float)
     native = isinstance(w, QuantizedWeight) and math.prod(hidden.shape[:-1]) <= max(1, native_max_rows(w))
-    if ((isinstance(w, QuantizedWeight) and (not rows16 or native)) or jnp.dtype(w.dtype).itemsize != 2
+    if ((isinstance(w, QuantizedWeight) and (not chunked_kind or native))
+            or (not isinstance(w, QuantizedWeight) and jnp.dtype(w.dtype).itemsize != 2)
             or num_chunks < 2 or jax.default_backend() != "cpu"):
         return _matmul("...h,hv->...v", hidden, from_storage(w))
     rows = hidden.reshape(-1, hidden.shape[-1])
 
     def columns(start, count):  # the head's vocabulary columns [start, start + count) (count static)
-        if rows16:
-            return QuantizedWeight(jax.lax.dynamic_slice_in_dim(w.values, start, count, 0), None,
-                                   (w.logical_shape[0], count), w.in_axes)
+        if chunked_kind:
+            return QuantizedWeight(*(None if a is None else jax.lax.dynamic_slice_in_dim(a, start, count, 0)
+                                     for a in (w.values, w.scales)), (w.logical_shape[0], count), w.in_axes)
         return from_storage(jax.lax.dynamic_slice_in_dim(w, start, count, 1))
 
     def chunk(_, j):
