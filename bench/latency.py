@@ -2,7 +2,8 @@
 1, 2, 4 and 8 concurrent requests, weight width by weight width.
 
 Widths (jpaged / llama.cpp): float32 / F32, bfloat16 / BF16, int8 (`--quantization int8` on the
-Q8_0 file) / Q8_0. Every GGUF holds the default model's weights as jpaged runs them (the shipped
+Q8_0 file) / Q8_0, int8-bf16 (the same with `--dtype bfloat16`: the int8 products compute in bfloat16, the
+KV pool is bfloat16) / Q8_0. Every GGUF holds the default model's weights as jpaged runs them (the shipped
 Q4_1 file, dequantized; bench/peers/make_gguf.py writes and checks them with llama.cpp's converter
 and llama-quantize); jpaged float32 and bfloat16 load the shipped file itself. The int8 column is
 skipped, with a note in the JSON, while `jpaged serve` has no `--quantization` flag.
@@ -56,6 +57,7 @@ from bench.serve_load import MODEL, SHORT_MAX_TOKENS, closed_loop, compact, jpag
 
 ROOT = common.REPO_ROOT
 WIDTHS = make_gguf.JPAGED_WIDTHS
+_INT8_DTYPES = {"int8": "float32", "int8-bf16": "bfloat16"}  # each int8 width's --dtype: what its products compute in
 ENGINES = ("jpaged", "llama.cpp")
 COLORS = {"jpaged": "tab:blue", "llama.cpp": "tab:orange"}
 
@@ -67,8 +69,9 @@ def jpaged_serve_flags() -> str:
 
 def jpaged_command(width: str, port: int, ggufs: dict[str, Path], args) -> list[str]:
     """`jpaged serve` at `width`: the shipped model at --dtype float32 / bfloat16, or the Q8_0 file with
-    `--quantization int8`."""
-    model = ["--dtype", width] if width != "int8" else ["--model", str(ggufs["Q8_0"]), "--quantization", "int8"]
+    `--quantization int8` (and `--dtype bfloat16` for int8-bf16)."""
+    model = (["--dtype", width] if not width.startswith("int8") else
+             ["--model", str(ggufs["Q8_0"]), "--quantization", "int8", "--dtype", _INT8_DTYPES[width]])
     return [sys.executable, "-m", "jpaged.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", MODEL, *model, "--max-num-seqs", str(max(args.concurrency)),
             "--max-num-batched-tokens", "2048", "--kv-cache-memory", "1GiB", "--compile-cache", args.compile_cache,
@@ -269,7 +272,7 @@ def main(argv=None) -> dict:
            "widths": {}}
     with tempfile.TemporaryDirectory(prefix="latency_") as tmp:
         for width in args.widths:
-            if width == "int8" and not has_quantization:
+            if width.startswith("int8") and not has_quantization:
                 out["widths"][width] = {"skipped": "jpaged serve has no --quantization flag yet (int8 weights)"}
                 continue
             try:

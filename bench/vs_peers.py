@@ -310,10 +310,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hf-batch-sizes", default=None, help="default 1,16 (--quick 16); run largest first")
     ap.add_argument("--hf-b1-requests", type=int, default=None,
                     help="run HF batch 1 on only the first N requests (default: all; batch 1 is the slowest peer)")
-    ap.add_argument("--jpaged-dtype", default="float32", choices=("float32", "bfloat16", "int8"),
+    ap.add_argument("--jpaged-dtype", default="float32", choices=("float32", "bfloat16", "int8", "int8-bf16"),
                     help="jpaged's (and jpaged-xla's) weights and KV cache; llama.cpp gets the GGUF of this width "
                     "(int8: jpaged's quantization int8 of make_gguf.py's Q8_0 file, float32 KV cache; llama.cpp "
-                    "that file)")
+                    "that file; int8-bf16: the same at dtype bfloat16, the int8 products computing in bfloat16, "
+                    "a bfloat16 KV cache)")
     ap.add_argument("--llama-cpp-slots", default="8,16,32", help="llama-server slot counts (one server each)")
     ap.add_argument("--llama-cpp-dir", default=None, help="llama.cpp build folder (default: build_llama_cpp.sh's)")
     ap.add_argument("--jpaged-engine-args", default="", help="JSON of extra jpaged EngineConfig fields, e.g. "
@@ -365,10 +366,10 @@ def main(argv=None) -> dict:
     gguf = str(default_model_path())
     jpaged_args = {"engine_args": json.loads(args.jpaged_engine_args)} if args.jpaged_engine_args else {}
     jpaged_dtype = args.jpaged_dtype
-    if jpaged_dtype == "int8":  # the Q8_0 file's int8 weights, as bench/latency.py serves them
+    if jpaged_dtype.startswith("int8"):  # the Q8_0 file's int8 weights, as bench/latency.py serves them
         q8 = make_gguf.ensure(llama_dir=args.llama_cpp_dir, verify=False)["Q8_0"]
         jpaged_args = {"engine_args": {**jpaged_args.get("engine_args", {}), "model": str(q8), "quantization": "int8"}}
-        jpaged_dtype = "float32"
+        jpaged_dtype = "bfloat16" if jpaged_dtype == "int8-bf16" else "float32"
     settings_extra = {"jpaged_engine_args": jpaged_args.get("engine_args", {}), "jpaged_dtype": args.jpaged_dtype,
                       "llama_cpp_slots": args.llama_cpp_slots, "vllm_omp_bind": args.vllm_omp_bind,
                       "vllm_kv_cache_space_gib": args.vllm_kv_cache_gib, "vllm_prefix_caching": args.vllm_prefix_caching,

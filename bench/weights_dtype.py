@@ -1,4 +1,5 @@
-"""Parameter widths on a CPU: float32, bfloat16, float16 and int8 weights, side by side.
+"""Parameter widths on a CPU: float32, bfloat16, float16 and int8 weights (computing in float32 or bfloat16), side
+by side.
 
 `dtype="bfloat16"` / `"float16"` stores the parameters in 16 bits (on a CPU a bfloat16 leaf is held as
 its uint16 bit patterns: `jpaged.device.params.to_storage`; on one CPU device its dense weights as
@@ -6,7 +7,8 @@ its uint16 bit patterns: `jpaged.device.params.to_storage`; on one CPU device it
 `float_row_params`), every matmul accumulates in float32 and
 the activations between matmuls are float32 (`jpaged.device.model`). `int8` is `quantization="int8"`
 with float32 norms and KV pool: the dense weights int8 with a float32 scale per output channel
-(`jpaged.device.quant`). A decode step of one row reads every weight once, so 16-bit weights halve
+(`jpaged.device.quant`); `int8-bf16` the same at `dtype="bfloat16"` (bfloat16 norms and KV pool, the int8
+products taking their activations rounded to bfloat16). A decode step of one row reads every weight once, so 16-bit weights halve
 what it reads and int8 quarters it. For each width, in one process, the widths alternating round
 after round:
 
@@ -34,8 +36,9 @@ import numpy as np  # noqa: E402
 from bench import common  # noqa: E402
 from bench.traces import load_alpaca_prompts  # noqa: E402
 
-DTYPES = ("float32", "bfloat16", "float16", "int8")  # the parameters' widths (int8: quantization="int8")
-_SETTINGS = {"int8": dict(dtype="float32", quantization="int8")}  # the LLM arguments of each width
+DTYPES = ("float32", "bfloat16", "float16", "int8", "int8-bf16")  # the parameters' widths (int8: quantization="int8")
+_SETTINGS = {"int8": dict(dtype="float32", quantization="int8"),  # the LLM arguments of each width
+             "int8-bf16": dict(dtype="bfloat16", quantization="int8")}  # int8 products computing in bfloat16
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
 

@@ -5,6 +5,7 @@ with float32."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -57,6 +58,38 @@ def test_int8_matmul_matches_float64(k, n, group, scale_dtype):
             call = jax.ffi.ffi_call(native.int8_matmul_target(variant), [jax.ShapeDtypeStruct((rows, n), jnp.float32)])
             np.testing.assert_allclose(np.asarray(call(x, np.int32(0), values, scales)[0]), ref, rtol=1e-5,
                                        atol=1e-5 * np.abs(ref).max(), err_msg=variant)
+
+
+def test_int8_computing_in_bfloat16_rounds_the_activations():
+    """int8 weights computing in bfloat16 (`quantize_params(..., dtype=bfloat16)`, the engine's under
+    `dtype="bfloat16"`): every product takes `x` rounded to bfloat16. The native kernel's rows (up to
+    NATIVE_MAX_ROWS) multiply it by the int8 weights exactly and match the float64 reference of the rounded
+    `x`; XLA's (more rows) round the dequantized weights to bfloat16 too, within bfloat16's rounding of it.
+    Either is farther from the float32 `x`'s reference than float32 sums would be."""
+    rng = np.random.default_rng(11)
+    n, k = 48, 96
+    w = quantize_params(_params_with_w_up(rng, k, n), "int8", jnp.bfloat16).layers.w_up.of_layer(jnp.int32(0))
+    assert w.dtype == jnp.bfloat16 and w.compute_dtype == "bfloat16"
+    values, scales = np.asarray(w.values[0]), np.asarray(w.scales[0])
+    matmul = jax.jit(quantized_matmul)
+    for rows in (1, 7, NATIVE_MAX_ROWS + 3):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        rounded = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+        ref, unrounded = _reference(rounded, values, scales), _reference(x, values, scales)
+        got = np.asarray(matmul(x, w))
+        scale = np.abs(ref).max()
+        tol = 1e-5 if rows <= NATIVE_MAX_ROWS and native.available_variants() else 2 ** -7
+        np.testing.assert_allclose(got, ref, rtol=0, atol=tol * scale)
+        assert np.abs(got - unrounded).max() > 1e-4 * scale
+
+
+def _params_with_w_up(rng, k, n):
+    """A one-layer `LlamaParams`-shaped tree whose only dense weight is `w_up` f32[1, k, n] (what
+    `quantize_params` maps over); the other leaves None."""
+    from jpaged.device.params import LayerParams, LlamaParams
+    layer = LayerParams(**{f.name: None for f in dataclasses.fields(LayerParams)})
+    layer = layer.replace(w_up=jnp.asarray(rng.standard_normal((1, k, n)).astype(np.float32) * 0.05))
+    return LlamaParams(**{f.name: None for f in dataclasses.fields(LlamaParams)}).replace(layers=layer)
 
 
 def test_int8_rows_do_not_depend_on_the_threads():
@@ -216,14 +249,16 @@ def test_q8_0_gguf_matches_hf(tmp_path, monkeypatch, default_model, tokenizer_fi
     assert list(ours[0].outputs[0].token_ids) == theirs[0, len(tokens):].tolist()
 
 
-def test_default_model_int8_agrees_with_float32(default_model, make_llm, llm):
-    """The default model quantized per output channel: greedy agreement with float32 (a floor, not
-    exactness: int8 rounding moves close logits)."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_model_int8_agrees_with_float32(default_model, make_llm, llm, dtype):
+    """The default model quantized per output channel, computing in float32 or (`dtype="bfloat16"`)
+    bfloat16: greedy agreement with float32 (a floor, not exactness: int8 rounding moves close logits)."""
     prompts = ["The capital of France is", "1, 2, 3, 4, 5,", "def add(a, b):"]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     reference = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
-    int8 = make_llm(quantization="int8")
-    assert isinstance(int8.engine.model.params.layers.w_down, QuantizedWeight)
+    int8 = make_llm(quantization="int8", dtype=dtype)
+    w_down = int8.engine.model.params.layers.w_down
+    assert isinstance(w_down, QuantizedWeight) and w_down.dtype == jnp.dtype(dtype)
     ours = [r.outputs[0].token_ids for r in int8.generate(prompts, params)]
     prefixes = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(ours, reference)]
     assert np.mean(prefixes) >= 6, prefixes

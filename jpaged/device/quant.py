@@ -1,6 +1,6 @@
 """Dense weights stored as [out, in] rows: weight-only int8 (`quantization="int8"`: int8 values and float
-scales, float32 compute), and float weights on one CPU (bfloat16 as their bit patterns, or float32; no
-scales) for the native few-row product.
+scales; float32 compute, bfloat16 under `dtype="bfloat16"`), and float weights on one CPU (bfloat16 as their
+bit patterns, or float32; no scales) for the native few-row product.
 
 A `QuantizedWeight` replaces one parameter leaf of `jpaged.device.params` (a dense weight, layers
 stacked or not). Whatever the leaf's logical layout there (`wq` is [hidden, heads, head_dim], `embed`
@@ -102,6 +102,16 @@ prompt, 3 alternating rounds, median ms a token): bfloat16 12.26 / 11.96 / 12.46
 machine, its one-row decode step, two alternating processes each): 6.6-7.6 and 5.7-7.4 ms one call a weight,
 5.9-6.5 and 5.7-6.0 fused.
 
+int8 weights compute in bfloat16 under `dtype="bfloat16"` (`compute_dtype`, which `quantize_params` sets from
+the parameters' dtype): each product rounds `x` to bfloat16 first, as a bfloat16 parameter's einsum does. The
+native kernel multiplies the rounded rows by the int8 values exactly (float32 sums, then the scales); XLA's
+path, past `NATIVE_MAX_ROWS`, rounds the dequantized weights to bfloat16 too (as a GPU's weight-only kernel
+dequantizes to its activations' dtype) for XLA's bf16 x bf16 -> f32 dot, which runs on VDPBF16PS where the
+CPU has AVX512-BF16. Computing in float32, a step of many rows is a float32 GEMM at the FMA units' rate,
+whatever the weights' width: 120 requests of 64 tokens (`bench/vs_peers.py`'s set, whose three prefill
+steps of 4096 tokens were half the time) ran 247-256 tokens/s in float32 against 391-441 in bfloat16 (AMD
+EPYC Zen 4, 2 cores, `LLM.generate` of the Q8_0 file, alternating processes).
+
 int8 products of one or two rows have no helpers: the calling thread takes every item, which was faster
 (`kInt8SoloMaxRows` in the kernel; one stream of the Q8_0 file served, AMD EPYC, 7.6 -> 5.6-6.0 ms a token).
 """
@@ -142,6 +152,7 @@ class QuantizedWeight:
     logical_shape: tuple = struct.field(pytree_node=False)
     in_axes: tuple = struct.field(pytree_node=False)
     layer: Optional[jax.Array] = None  # an int32 scalar: this is layer `layer` of the stack `values` (`of_layer`)
+    compute_dtype: str = struct.field(pytree_node=False, default="float32")  # int8: what `x` is rounded to
 
     @property
     def shape(self) -> tuple:
@@ -171,9 +182,12 @@ class QuantizedWeight:
 
     @property
     def dtype(self):
-        """What the weight computes in: float32 for int8 (its products and rows are float32, whatever its
-        scales') and float32 rows, bfloat16 for 16-bit rows."""
-        return jnp.dtype(jnp.bfloat16 if self.is_16bit else jnp.float32)
+        """What the weight computes in, the dtype its products round `x` to: bfloat16 for 16-bit rows,
+        float32 for float32 rows, `compute_dtype` for int8 (float32, or bfloat16 under `dtype="bfloat16"`:
+        `with_compute_dtype`). Products accumulate and return float32 in every case."""
+        if self.is_float:
+            return jnp.dtype(jnp.bfloat16 if self.is_16bit else jnp.float32)
+        return jnp.dtype(self.compute_dtype)
 
     @property
     def group_size(self) -> int:
@@ -185,7 +199,7 @@ class QuantizedWeight:
         arrays, so a tied LM head shares the embedding's memory."""
         if len(self.logical_shape) != 2:
             raise ValueError(f"only a 2-D weight has a transposed view, not one of shape {self.logical_shape}")
-        return QuantizedWeight(self.values, self.scales, self.logical_shape[::-1], (1 - self.in_axes[0],), self.layer)
+        return self.replace(logical_shape=self.logical_shape[::-1], in_axes=(1 - self.in_axes[0],))
 
 
 def quantize(w, logical_shape: tuple, in_axes: tuple, group_size: int | None = None) -> QuantizedWeight:
@@ -321,11 +335,11 @@ def quantized_matmul(x, w: QuantizedWeight) -> jax.Array:
     call = _native_call(w)
     if call is not None and rows.shape[0] <= native_max_rows(w):
         y, = call(rows, _layer(w), [w])
-    elif w.is_float:  # XLA's bf16 x bf16 -> f32 dot (or f32's), contracting the rows' last axis
-        y = jax.lax.dot_general(rows, _bf16(sliced(w.values)), (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)
-    else:
-        y = jnp.dot(rows, dequantize_rows(sliced(w.values), sliced(w.scales)).T, preferred_element_type=jnp.float32)
+    else:  # XLA's dot of the weights in the compute dtype (int8: dequantized, rounded to bfloat16 where it
+        # computes in bfloat16), contracting the rows' last axis; bf16 x bf16 -> f32 or f32's
+        weights = (_bf16(sliced(w.values)) if w.is_float
+                   else dequantize_rows(sliced(w.values), sliced(w.scales)).astype(w.dtype))
+        y = jax.lax.dot_general(rows, weights, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return y.reshape(*_batch(x, w), *_out_shape(w))
 
 
@@ -340,7 +354,8 @@ def quantized_matmuls(x, ws) -> list:
     first = ws[0]
     fused = (1 < len(ws) <= 4 and all(isinstance(w, QuantizedWeight) for w in ws)
              and all(w.is_float == first.is_float and w.values.dtype == first.values.dtype
-                     and (w.is_float or w.scales.dtype == first.scales.dtype) and w.in_axes == first.in_axes
+                     and (w.is_float or w.scales.dtype == first.scales.dtype) and w.dtype == first.dtype
+                     and w.in_axes == first.in_axes
                      and w.values.shape[-1] == first.values.shape[-1] and w.values.ndim == first.values.ndim
                      and w.layer is first.layer for w in ws))
     if fused:
@@ -384,10 +399,11 @@ def _float_rows_call(rows, layer, ws) -> list:
 
 
 def _int8_call(rows, layer, ws) -> list:
-    """The native int8 kernel on float32 `rows` [M, in] and the int8 weights `ws` (scales of one dtype), of
-    layer `layer` where they are stacks: f32[M, out] for each weight."""
+    """The native int8 kernel on `rows` [M, in] (already in the weights' compute dtype; the kernel takes them
+    as float32, where a bfloat16 row times an int8 weight is exact) and the int8 weights `ws` (scales of one
+    dtype), of layer `layer` where they are stacks: f32[M, out] for each weight."""
     call = jax.ffi.ffi_call(_native_target(), _results(rows, ws))
-    return call(rows, layer, *(a for w in ws for a in (w.values, w.scales)))
+    return call(rows.astype(jnp.float32), layer, *(a for w in ws for a in (w.values, w.scales)))
 
 
 def _results(rows, ws) -> list:
@@ -442,12 +458,17 @@ def check_quantization(quantization) -> None:
                          f"got {quantization!r}")
 
 
-def quantize_params(params, quantization: str = "int8"):
+def quantize_params(params, quantization: str = "int8", dtype=jnp.float32):
     """`params` (a `LlamaParams`) with every dense weight (`IN_AXES`) int8, one scale per output channel
     (the embedding: per vocabulary row); norms and biases stay as they are, and so do leaves that are
     already quantized (a Q8_0 file's blocks). Tied embeddings get `lm_head = embed.T`, the same arrays
-    viewed as [hidden, vocab] (what the runner makes of a float tied head by copying)."""
+    viewed as [hidden, vocab] (what the runner makes of a float tied head by copying). `dtype`: the
+    parameters' (`EngineConfig.dtype`); under bfloat16 every int8 weight, new or not, computes in bfloat16
+    (`QuantizedWeight.dtype`), else in float32."""
     check_quantization(quantization)
     if quantization is None:
         return params
-    return _map_dense(params, quantize)
+    compute = "bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32"
+    params = _map_dense(params, quantize)
+    return jax.tree.map(lambda w: w.replace(compute_dtype=compute) if isinstance(w, QuantizedWeight) and not w.is_float
+                        else w, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))

@@ -30,7 +30,8 @@ class EngineConfig:
     dtype: of the parameters and the KV pool; every matmul accumulates in float32 and the activations
       between them stay float32 (`jpaged.device.model`). quantization: None or 'int8' (weight-only:
       the dense weights int8 with per-output-channel scales, a Q8_0 GGUF's blocks kept as they are;
-      norms, biases and the KV pool stay `dtype`; `jpaged.device.quant`); one device only.
+      norms, biases and the KV pool stay `dtype`, and under bfloat16 the int8 products take their
+      activations rounded to bfloat16, as bfloat16 weights' do; `jpaged.device.quant`); one device only.
       attention_backend: 'auto' (Pallas on a GPU, the native
       kernel on a CPU where it was built, else XLA), 'native', 'pallas' or 'xla'; `interpret`
       runs the Pallas kernels in the interpreter.

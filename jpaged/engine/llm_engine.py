@@ -175,8 +175,9 @@ class LLMEngine:
         self.model = loaded if loaded is not None else load_model(config.model, dtype=self.param_dtype)
         if params is not None:
             self.model = dataclasses.replace(self.model, params=cast_params(params, self.param_dtype))
-        if config.quantization is not None:  # weight-only int8 (leaves already int8 stay as they are)
-            self.model = dataclasses.replace(self.model, params=quantize_params(self.model.params, config.quantization))
+        if config.quantization is not None:  # weight-only int8 (leaves already int8 stay), computing in `dtype`'s
+            quantized = quantize_params(self.model.params, config.quantization, self.param_dtype)  # float width
+            self.model = dataclasses.replace(self.model, params=quantized)
         self.tokenizer = self.model.tokenizer
         self._decode = decoder(self.tokenizer)  # incremental detokenization's decode
         model_config = self.model.config

@@ -441,7 +441,7 @@ def load_gguf(path: pathlib.Path, dtype, quantization: str | None = None) -> Loa
         for key, part in _keyed(name, w, names, fused):
             tensors[key] = _from_gguf_layout(spec, key, part, config)
     try:
-        params = quantize_params(_to_params(config, tensors, dtype), quantization)
+        params = quantize_params(_to_params(config, tensors, dtype), quantization, dtype)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
     return LoadedModel(config, params, tokenizer, path)
