@@ -157,24 +157,30 @@ def test_a_layer_of_a_stack_is_read_in_place(kind):
             call(*operands)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_int8_lm_head_matches_float64(default_model, tied):
-    """An int8 LM head (Q8_0 groups) of the default model's shape, tied (the embedding's rows) or not:
-    the logits of the rows the native kernel takes (one call) and of more (chunks of 4096 vocabulary
-    columns, XLA's dequantize-then-dot in each) against the float64 reference."""
+@pytest.mark.parametrize("tied, compute", [(False, "float32"), (True, "float32"), (True, "bfloat16")])
+def test_int8_lm_head_matches_float64(default_model, tied, compute):
+    """An int8 LM head (Q8_0 groups) of the default model's shape, tied (the embedding's rows) or not,
+    computing in float32 or bfloat16: the logits of the rows the native kernel takes (one call) and of more
+    (chunks of 4096 vocabulary columns, XLA's dequantize-then-dot in each, in the head's compute dtype)
+    against the float64 reference of the hidden states as the head's dtype rounds them."""
     config = default_model.config
     rng = np.random.default_rng(5)
     head = rng.standard_normal((config.hidden_size, config.vocab_size)).astype(np.float32) * 0.05
-    w = quantize(head, head.shape, (0,), group_size=32)
+    w = quantize(head, head.shape, (0,), group_size=32).replace(compute_dtype=compute)
     params = (default_model.params.replace(embed=w.T, lm_head=w) if tied
               else default_model.params.replace(lm_head=w))
     logits = jax.jit(lambda p, h: compute_logits(p, h, config=config))
     for rows in (1, NATIVE_MAX_ROWS + 5):
         hidden = rng.standard_normal((rows, config.hidden_size)).astype(np.float32)
-        ref = _reference(hidden, np.asarray(w.values), np.asarray(w.scales))
+        rounded = np.asarray(jnp.asarray(hidden).astype(compute).astype(jnp.float32))
+        ref = _reference(rounded, np.asarray(w.values), np.asarray(w.scales))
         got = logits(params, hidden)
         assert got.dtype == jnp.float32 and got.shape == (rows, config.vocab_size)
-        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        tol = 1e-5 if compute == "float32" or (rows <= NATIVE_MAX_ROWS and native.available_variants()) else 2 ** -7
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=tol, atol=tol * np.abs(ref).max())
+        if compute == "bfloat16":  # the head rounded the hidden states, in one call and in chunks alike
+            unrounded = _reference(hidden, np.asarray(w.values), np.asarray(w.scales))
+            assert np.abs(np.asarray(got) - unrounded).max() > 1e-4 * np.abs(ref).max()
 
 
 def test_native_kernel_is_the_few_row_path():

@@ -249,9 +249,10 @@ def _lm_head(hidden, w):
     rows = hidden.reshape(-1, hidden.shape[-1])
 
     def columns(start, count):  # the head's vocabulary columns [start, start + count) (count static)
-        if chunked_kind:
-            return QuantizedWeight(*(None if a is None else jax.lax.dynamic_slice_in_dim(a, start, count, 0)
-                                     for a in (w.values, w.scales)), (w.logical_shape[0], count), w.in_axes)
+        if chunked_kind:  # the same kind of weight (its compute dtype too), fewer rows
+            values, scales = (None if a is None else jax.lax.dynamic_slice_in_dim(a, start, count, 0)
+                              for a in (w.values, w.scales))
+            return w.replace(values=values, scales=scales, logical_shape=(w.logical_shape[0], count))
         return from_storage(jax.lax.dynamic_slice_in_dim(w, start, count, 1))
 
     def chunk(_, j):

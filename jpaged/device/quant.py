@@ -184,7 +184,7 @@ class QuantizedWeight:
     def dtype(self):
         """What the weight computes in, the dtype its products round `x` to: bfloat16 for 16-bit rows,
         float32 for float32 rows, `compute_dtype` for int8 (float32, or bfloat16 under `dtype="bfloat16"`:
-        `with_compute_dtype`). Products accumulate and return float32 in every case."""
+        `quantize_params`). Products accumulate and return float32 in every case."""
         if self.is_float:
             return jnp.dtype(jnp.bfloat16 if self.is_16bit else jnp.float32)
         return jnp.dtype(self.compute_dtype)
