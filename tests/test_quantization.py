@@ -5,7 +5,6 @@ with float32."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 
@@ -19,7 +18,9 @@ import transformers
 
 from jpaged.core.sampling_params import SamplingParams
 from jpaged.device.attention import native
+from jpaged.device.config import ModelConfig
 from jpaged.device.model import compute_logits, sequence_logits
+from jpaged.device.params import init_params
 from jpaged.device.quant import (NATIVE_MAX_ROWS, QuantizedWeight, float_rows, dequantize, quantize, quantize_params,
                                  quantized_matmul, take_rows)
 from jpaged.engine import EngineConfig
@@ -68,7 +69,10 @@ def test_int8_computing_in_bfloat16_rounds_the_activations():
     Either is farther from the float32 `x`'s reference than float32 sums would be."""
     rng = np.random.default_rng(11)
     n, k = 48, 96
-    w = quantize_params(_params_with_w_up(rng, k, n), "int8", jnp.bfloat16).layers.w_up.of_layer(jnp.int32(0))
+    config = ModelConfig(vocab_size=64, hidden_size=k, intermediate_size=n, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+    params = quantize_params(init_params(config, jax.random.key(11)), "int8", jnp.bfloat16)
+    w = params.layers.w_up.of_layer(jnp.int32(0))  # [k, n] logically, its rows [n, k]
     assert w.dtype == jnp.bfloat16 and w.compute_dtype == "bfloat16"
     values, scales = np.asarray(w.values[0]), np.asarray(w.scales[0])
     matmul = jax.jit(quantized_matmul)
@@ -81,15 +85,6 @@ def test_int8_computing_in_bfloat16_rounds_the_activations():
         tol = 1e-5 if rows <= NATIVE_MAX_ROWS and native.available_variants() else 2 ** -7
         np.testing.assert_allclose(got, ref, rtol=0, atol=tol * scale)
         assert np.abs(got - unrounded).max() > 1e-4 * scale
-
-
-def _params_with_w_up(rng, k, n):
-    """A one-layer `LlamaParams`-shaped tree whose only dense weight is `w_up` f32[1, k, n] (what
-    `quantize_params` maps over); the other leaves None."""
-    from jpaged.device.params import LayerParams, LlamaParams
-    layer = LayerParams(**{f.name: None for f in dataclasses.fields(LayerParams)})
-    layer = layer.replace(w_up=jnp.asarray(rng.standard_normal((1, k, n)).astype(np.float32) * 0.05))
-    return LlamaParams(**{f.name: None for f in dataclasses.fields(LlamaParams)}).replace(layers=layer)
 
 
 def test_int8_rows_do_not_depend_on_the_threads():
