@@ -57,7 +57,6 @@ from bench.serve_load import MODEL, SHORT_MAX_TOKENS, closed_loop, compact, jpag
 
 ROOT = common.REPO_ROOT
 WIDTHS = make_gguf.JPAGED_WIDTHS
-_INT8_DTYPES = {"int8": "float32", "int8-bf16": "bfloat16"}  # each int8 width's --dtype: what its products compute in
 ENGINES = ("jpaged", "llama.cpp")
 COLORS = {"jpaged": "tab:blue", "llama.cpp": "tab:orange"}
 
@@ -71,7 +70,7 @@ def jpaged_command(width: str, port: int, ggufs: dict[str, Path], args) -> list[
     """`jpaged serve` at `width`: the shipped model at --dtype float32 / bfloat16, or the Q8_0 file with
     `--quantization int8` (and `--dtype bfloat16` for int8-bf16)."""
     model = (["--dtype", width] if not width.startswith("int8") else
-             ["--model", str(ggufs["Q8_0"]), "--quantization", "int8", "--dtype", _INT8_DTYPES[width]])
+             ["--model", str(ggufs["Q8_0"]), "--quantization", "int8", "--dtype", make_gguf.INT8_DTYPES[width]])
     return [sys.executable, "-m", "jpaged.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", MODEL, *model, "--max-num-seqs", str(max(args.concurrency)),
             "--max-num-batched-tokens", "2048", "--kv-cache-memory", "1GiB", "--compile-cache", args.compile_cache,

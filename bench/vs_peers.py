@@ -369,7 +369,7 @@ def main(argv=None) -> dict:
     if jpaged_dtype.startswith("int8"):  # the Q8_0 file's int8 weights, as bench/latency.py serves them
         q8 = make_gguf.ensure(llama_dir=args.llama_cpp_dir, verify=False)["Q8_0"]
         jpaged_args = {"engine_args": {**jpaged_args.get("engine_args", {}), "model": str(q8), "quantization": "int8"}}
-        jpaged_dtype = "bfloat16" if jpaged_dtype == "int8-bf16" else "float32"
+        jpaged_dtype = make_gguf.INT8_DTYPES[jpaged_dtype]
     settings_extra = {"jpaged_engine_args": jpaged_args.get("engine_args", {}), "jpaged_dtype": args.jpaged_dtype,
                       "llama_cpp_slots": args.llama_cpp_slots, "vllm_omp_bind": args.vllm_omp_bind,
                       "vllm_kv_cache_space_gib": args.vllm_kv_cache_gib, "vllm_prefix_caching": args.vllm_prefix_caching,

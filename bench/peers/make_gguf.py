@@ -31,6 +31,7 @@ PEERS = ROOT / "bench" / "peers"
 WIDTHS = ("F32", "BF16", "Q8_0")
 JPAGED_WIDTHS = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0",  # jpaged's weight width: the GGUF's
                  "int8-bf16": "Q8_0"}  # (int8-bf16: int8 weights whose products compute in bfloat16)
+INT8_DTYPES = {"int8": "float32", "int8-bf16": "bfloat16"}  # each int8 width's jpaged dtype (its products')
 DEFAULT_OUT = ROOT / "checkpoints" / "smollm2-gguf"
 HF_DIR = ROOT / "checkpoints" / "smollm2-hf"
 
