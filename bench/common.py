@@ -101,6 +101,7 @@ def native_info() -> dict:
     return {"variants": list(variants), "variant": variants[0] if variants else None,
             "amx_bf16": native.amx_bf16(), "avx512_bf16": native.avx512_bf16(),
             "int8_solo_max_rows": native.int8_solo_max_rows(),
+            "reads_channel_at_a_time": native.reads_channel_at_a_time(),
             "transparent_hugepage": thp.read_text().strip() if thp.exists() else None}
 
 

@@ -108,10 +108,13 @@ def test_int8_rows_do_not_depend_on_the_threads():
         np.testing.assert_array_equal(np.asarray(matmul(x[:rows], w)), batched[:rows])
 
 
-def test_int8_products_of_few_rows_have_a_helper_exactly_on_zen_4():
+def test_zen_4_has_its_own_few_row_choices():
     """On AMD family 25 (Zen 4, which runs each 512-bit operation as two 256-bit halves) the AVX-512 library
-    gives even one-row int8 products a helper thread; elsewhere, and in the other builds, products of
-    up to 2 rows run on the calling thread alone. Read against /proc/cpuinfo's vendor and family."""
+    gives even one-row int8 products a helper thread, and reads the float32 and bfloat16 weights of one row a
+    channel at a time; elsewhere, and in the other builds, int8 products of up to 2 rows run on the calling
+    thread alone, and one row reads several channels side by side. Read against /proc/cpuinfo's vendor and
+    family. (Either way a row's sums are the same bits: `test_float32_rows_sum_a_row_alike_in_every_batch_up_to_native32_max_rows`,
+    `test_avx512_bf16_is_used_where_the_cpu_has_it_and_no_amx`.)"""
     if not native.available_variants():
         pytest.skip("native kernels not built here")
     cpuinfo = Path("/proc/cpuinfo")
@@ -119,7 +122,9 @@ def test_int8_products_of_few_rows_have_a_helper_exactly_on_zen_4():
     vendor, family = re.search(r"vendor_id\s*:\s*(\S+)", text), re.search(r"cpu family\s*:\s*(\d+)", text)
     zen4 = bool(vendor and family and vendor[1] == "AuthenticAMD" and int(family[1]) == 25)
     for variant in native.available_variants():
-        assert native.int8_solo_max_rows(variant) == (0 if zen4 and variant == "avx512" else 2), variant
+        on_zen4 = zen4 and variant == "avx512"
+        assert native.int8_solo_max_rows(variant) == (0 if on_zen4 else 2), variant
+        assert native.reads_channel_at_a_time(variant) == on_zen4, variant
 
 
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])

@@ -151,6 +151,15 @@ def int8_solo_max_rows(variant: str = "auto") -> int:
     return _library_says(variant, "JpagedInt8SoloMaxRows", int)
 
 
+@functools.cache
+def reads_channel_at_a_time(variant: str = "auto") -> bool:
+    """Whether `variant`'s library reads the float32 and (VDPBF16PS's) bfloat16 weights of a one-row product
+    one output channel at a time, each channel's weights one sequential stream, rather than 4 to 8 channels
+    side by side: on AMD Zen 4, where that reads at the memory's rate (`csrc/int8_matmul.cc`). The sums are the
+    same either way. False where the native kernels cannot run."""
+    return _library_says(variant, "JpagedReadsChannelAtATime")
+
+
 def _library_says(variant: str, function: str, kind=bool):
     """The answer of `variant`'s library function `function` (no arguments) as `kind`: `kind()` (False, 0)
     where it is missing."""

@@ -408,10 +408,33 @@ constexpr int kOneRowChannels =
     8;
 #endif
 
+// Whether one row of x reads float32 and VDPBF16PS's bfloat16 weights a channel at a time (each channel's K
+// weights whole, one sequential stream, then the next channel's), not kOneRowChannels streams side by side:
+// on AMD Zen 4 (SplitsWideVectors: the AVX-512 build on family 19h). There the side-by-side streams read
+// below the memory's rate, and a channel at a time reaches it. Measured on an AMD EPYC Zen 4 (2 cores): a
+// C++ scratch loop of the kernel's two access patterns, two threads, the default model's [49152 x 576]
+// bfloat16 LM head from memory, 26-35 GB/s with 4 streams against 40-44 a channel at a time (three runs,
+// alternating; a plain two-thread sum of the same bytes: 33-34); in the engine, one stream's decode step
+// traced (jax.profiler, the two alternating in one process, median of 4 rounds), bfloat16 11.9 -> 10.6 ms
+// (gate/up 133 -> 114 us a layer, down 69 -> 56, the LM head 2.12 -> 1.85 ms), float32 20.5 -> 19.4 ms.
+// The sums are the same, bit for bit (each channel's are added in the same order). int8 weights stay 4
+// streams: widening and scaling bound them on Zen 4, and one channel at a time was slower (7.8 -> 9.7 ms
+// the step). An Intel Xeon read its channels faster side by side (Block's comment), so only Zen 4 does.
+template <typename W>
+constexpr bool kChannelAtATimeKinds = std::is_same_v<W, Bf16Dot> || std::is_same_v<W, float>;
+
+bool ReadsChannelAtATime() { return SplitsWideVectors(); }
+
 // Rows [m0, m0 + R) by the channels [n0, n1): NO at a time (8 accumulators or more: kWideChannels; one
-// row: kOneRowChannels), the rest one by one.
+// row: kOneRowChannels, or one where ReadsChannelAtATime), the rest one by one.
 template <typename W, typename S, int R>
 void Rows(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
+  if constexpr (R == 1 && kChannelAtATimeKinds<W>) {
+    if (ReadsChannelAtATime()) {
+      for (int64_t n = n0; n < n1; ++n) AnyBlock<W, S, 1, 1>(p, m0, n);
+      return;
+    }
+  }
   constexpr int NO = R >= 8 ? 1 : R >= 4 ? kWideChannels : R >= 2 ? 4 : kOneRowChannels<W>;
   int64_t n = n0;
   for (; n + NO <= n1; n += NO) AnyBlock<W, S, R, NO>(p, m0, n);
@@ -839,6 +862,10 @@ extern "C" int JpagedAmxBf16() {
 
 // The most rows of an int8 product that this library runs on the calling thread alone, on this CPU.
 extern "C" int JpagedInt8SoloMaxRows() { return static_cast<int>(Int8SoloMaxRows()); }
+
+// Whether this library reads float32 and VDPBF16PS's bfloat16 weights of one row a channel at a time, on this
+// CPU (ReadsChannelAtATime).
+extern "C" int JpagedReadsChannelAtATime() { return ReadsChannelAtATime(); }
 
 // Whether the float-rows matmul of this library runs bfloat16 weights on VDPBF16PS (the AVX-512 build, on a
 // CPU with AVX512-BF16, where the AMX path does not take them).
