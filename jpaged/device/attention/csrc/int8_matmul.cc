@@ -399,7 +399,8 @@ inline void AnyBlock(const Problem& p, int64_t m0, int64_t n0) {
 // time than 8, float32 ones slower: the default model's 121 one-row products as a chain of dependent calls,
 // int8 (Q8_0) 0.89-0.95x the time with 4, bfloat16 0.93-0.97x, float32 1.06-1.11x (AMD EPYC Zen 4, 2 cores;
 // both in one process, alternating); the kernel alone, one thread, 151 MB of bfloat16 weights from memory,
-// 16-23 GB/s with 8, 20-26 with 4.
+// 16-23 GB/s with 8, 20-26 with 4. (That was the choice between 4 and 8; on Zen 4 float32 and bfloat16 weights
+// now read one channel at a time, faster still: ReadsChannelAtATime.)
 template <typename W>
 constexpr int kOneRowChannels =
 #if defined(__AVX512F__)
