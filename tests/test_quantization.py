@@ -113,8 +113,7 @@ def test_zen_4_has_its_own_few_row_choices():
     gives even one-row int8 products a helper thread, and reads the float32 and bfloat16 weights of one row a
     channel at a time; elsewhere, and in the other builds, int8 products of up to 2 rows run on the calling
     thread alone, and one row reads several channels side by side. Read against /proc/cpuinfo's vendor and
-    family. (Either way a row's sums are the same bits: `test_float32_rows_sum_a_row_alike_in_every_batch_up_to_native32_max_rows`,
-    `test_avx512_bf16_is_used_where_the_cpu_has_it_and_no_amx`.)"""
+    family. (Either way a row's sums are the same bits: test_weights_dtype.py's batch-invariance tests.)"""
     if not native.available_variants():
         pytest.skip("native kernels not built here")
     cpuinfo = Path("/proc/cpuinfo")

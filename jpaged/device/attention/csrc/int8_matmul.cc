@@ -414,8 +414,8 @@ constexpr int kOneRowChannels =
 // on AMD Zen 4 (SplitsWideVectors: the AVX-512 build on family 19h). There the side-by-side streams read
 // below the memory's rate, and a channel at a time reaches it. Measured on an AMD EPYC Zen 4 (2 cores): a
 // C++ scratch loop of the kernel's two access patterns, two threads, the default model's [49152 x 576]
-// bfloat16 LM head from memory, 26-35 GB/s with 4 streams against 40-44 a channel at a time (three runs,
-// alternating; a plain two-thread sum of the same bytes: 33-34); in the engine, one stream's decode step
+// bfloat16 LM head from memory, 26-35 GB/s with 4 streams against 40-44 a channel at a time (medians of 9-15
+// calls in four runs; a plain two-thread sum of as many bytes: 27-34); in the engine, one stream's decode step
 // traced (jax.profiler, the two alternating in one process, median of 4 rounds), bfloat16 11.9 -> 10.6 ms
 // (gate/up 133 -> 114 us a layer, down 69 -> 56, the LM head 2.12 -> 1.85 ms), float32 20.5 -> 19.4 ms.
 // The sums are the same, bit for bit (each channel's are added in the same order). int8 weights stay 4
