@@ -427,18 +427,13 @@ constexpr bool kChannelAtATimeKinds = std::is_same_v<W, Bf16Dot> || std::is_same
 bool ReadsChannelAtATime() { return SplitsWideVectors(); }
 
 // Rows [m0, m0 + R) by the channels [n0, n1): NO at a time (8 accumulators or more: kWideChannels; one
-// row: kOneRowChannels, or one where ReadsChannelAtATime), the rest one by one.
+// row: kOneRowChannels), the rest one by one (every channel one by one where ReadsChannelAtATime).
 template <typename W, typename S, int R>
 void Rows(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
-  if constexpr (R == 1 && kChannelAtATimeKinds<W>) {
-    if (ReadsChannelAtATime()) {
-      for (int64_t n = n0; n < n1; ++n) AnyBlock<W, S, 1, 1>(p, m0, n);
-      return;
-    }
-  }
   constexpr int NO = R >= 8 ? 1 : R >= 4 ? kWideChannels : R >= 2 ? 4 : kOneRowChannels<W>;
   int64_t n = n0;
-  for (; n + NO <= n1; n += NO) AnyBlock<W, S, R, NO>(p, m0, n);
+  if (!(R == 1 && kChannelAtATimeKinds<W> && ReadsChannelAtATime()))
+    for (; n + NO <= n1; n += NO) AnyBlock<W, S, R, NO>(p, m0, n);
   for (; n < n1; ++n) AnyBlock<W, S, R, 1>(p, m0, n);
 }
 
