@@ -69,7 +69,7 @@ def jpaged_serve_flags() -> str:
 def jpaged_command(width: str, port: int, ggufs: dict[str, Path], args) -> list[str]:
     """`jpaged serve` at `width`: the shipped model at --dtype float32 / bfloat16, or the Q8_0 file with
     `--quantization int8` (and `--dtype bfloat16` for int8-bf16)."""
-    model = (["--dtype", width] if not width.startswith("int8") else
+    model = (["--dtype", width] if width not in make_gguf.INT8_DTYPES else
              ["--model", str(ggufs["Q8_0"]), "--quantization", "int8", "--dtype", make_gguf.INT8_DTYPES[width]])
     return [sys.executable, "-m", "jpaged.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", MODEL, *model, "--max-num-seqs", str(max(args.concurrency)),
@@ -271,7 +271,7 @@ def main(argv=None) -> dict:
            "widths": {}}
     with tempfile.TemporaryDirectory(prefix="latency_") as tmp:
         for width in args.widths:
-            if width.startswith("int8") and not has_quantization:
+            if width in make_gguf.INT8_DTYPES and not has_quantization:
                 out["widths"][width] = {"skipped": "jpaged serve has no --quantization flag yet (int8 weights)"}
                 continue
             try:

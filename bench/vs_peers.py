@@ -366,7 +366,7 @@ def main(argv=None) -> dict:
     gguf = str(default_model_path())
     jpaged_args = {"engine_args": json.loads(args.jpaged_engine_args)} if args.jpaged_engine_args else {}
     jpaged_dtype = args.jpaged_dtype
-    if jpaged_dtype.startswith("int8"):  # the Q8_0 file's int8 weights, as bench/latency.py serves them
+    if jpaged_dtype in make_gguf.INT8_DTYPES:  # the Q8_0 file's int8 weights, as bench/latency.py serves them
         q8 = make_gguf.ensure(llama_dir=args.llama_cpp_dir, verify=False)["Q8_0"]
         jpaged_args = {"engine_args": {**jpaged_args.get("engine_args", {}), "model": str(q8), "quantization": "int8"}}
         jpaged_dtype = make_gguf.INT8_DTYPES[jpaged_dtype]
