@@ -83,7 +83,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kMaxRows = 8;   // calls of up to this many rows are few (kFewRowsTile)
+constexpr int kMaxRows = 8;   // calls of up to this many rows are few (kGuidedShare)
 // Rows of x per pass over a block of channels, and channels per block at 4-7 rows (Rows). AVX-512's 32
 // vector registers hold 4 rows x 6 channels of accumulators, 4 rows of x and a weight (29 registers): 2.4
 // multiply-adds a load, where 8 rows x 1 channel made 0.9. AVX2's 16 keep 8 rows a pass, 1 or 2 channels.
@@ -101,15 +101,21 @@ constexpr int kPassRows = kMaxRows;
 constexpr int kWideChannels = 2;
 #endif
 constexpr int64_t kTile = 32; // output channels per work item
-// Output channels per work item of a call of at most kMaxRows rows (one row chunk) off the AMX tiles: such a
-// call is bound by reading the weights, and each item is one stream of them, which the threads read faster
-// long than short. Measured on an AMD EPYC (2 cores, AVX-512; one library per tile size, alternating
-// processes): the default model's 121 bfloat16 products of one row as a chain of dependent calls, 7.7-7.9 ms
-// with 32 channels an item, 7.1-7.4 with 128, 6.2-6.5 with 256, 6.8-8.0 with 512 (items too few to share
-// evenly), 8.4-8.5 with 16; three rows 7.1 / 8.3 -> 6.1 / 6.6; int8 (Q8_0) at four rows 8.6 / 9.6 -> 7.6 /
-// 8.6, at one row (the calling thread alone) even; at 16 rows slower (24.8 / 27.7 -> 26.7 / 29.0: more
-// arithmetic, items shared less evenly), hence few rows only.
-constexpr int64_t kFewRowsTile = 256;
+// A call of at most kMaxRows rows off the AMX tiles is bound by reading its weights: its threads share the
+// output channels in guided runs (OpenMP's guided schedule; Work::DrainGuided): each claim takes the channels
+// still unclaimed divided by kGuidedShare per thread (at least kMinRunChannels, never past a weight's end), so
+// the first runs are long streams of weights, which the threads read faster long than short, and the last are
+// short, so the threads finish together. Uniform items had been 256 channels (the default model's 121
+// bfloat16 products of one row as a chain of dependent calls, 7.7-7.9 ms with 32 channels an item, 6.2-6.5 with
+// 256, 6.8-8.0 with 512: items too few to share evenly; AMD EPYC, 2 cores, AVX-512), which left one thread idle
+// at the end of the calls whose channels are few items (576 output channels: 256, 256, 64). Guided runs
+// against them, measured on an AMD EPYC Zen 4 (2 cores; one stream's decode step of the default model in the
+// engine, synchronous, the two alternating in one process, medians of 4-8 rounds): bfloat16 9.53 -> 9.00 and
+// 8.39 -> 8.30 ms, float32 17.19 -> 17.03 and 18.07 -> 17.44, int8 4.89 -> 4.83, four streams bfloat16 14.50
+// -> 14.13; a quarter of the channels left per thread (kGuidedShare 4) 9.39, a whole share (1) 8.19 and
+// 17.69. Which thread reads a channel does not change its sums.
+constexpr int64_t kGuidedShare = 2;
+constexpr int64_t kMinRunChannels = 32;
 // int8 products of up to kInt8SoloMaxRows rows run on the calling thread alone (no helper is scheduled). At
 // so few rows the int8 kernel widens and scales each weight for one or two multiplies, and a second thread
 // made it slower, not faster: measured on an AMD EPYC (2 cores, AVX-512), the default model's 121 one-row
@@ -614,7 +620,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void AmxTile(const Problem& p, int6
 // live only until the handler returns). Where x must be packed first (the AMX path), its blocks of rows are
 // claimed the same way before any item (once for every problem: they share x), and a thread takes items
 // only once every block is packed (it waits at most for the blocks other threads are packing: a few
-// microseconds).
+// microseconds). A guided call (few rows off the AMX tiles: kGuidedShare) has one item per channel instead,
+// claimed in runs of them (DrainGuided).
 struct Work {
   static constexpr int kMaxProblems = 4;
   Problem problems[kMaxProblems];
@@ -626,19 +633,31 @@ struct Work {
   void (*pack)(const Problem&, int64_t) = nullptr;  // packs one block of x's rows into problems[0].packed
   int64_t pack_blocks = 0;
   int64_t tiles[kMaxProblems] = {}, first_item[kMaxProblems + 1] = {}, items = 0;
+  bool guided = false;  // items are channels, problem after problem (first_item: where each problem's begin)
+  int64_t runs_share = 1;  // a guided claim takes the unclaimed channels / runs_share (kGuidedShare per thread)
   std::atomic<int64_t> next_block{0}, blocks_packed{0};
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   std::mutex mu;
   std::condition_variable finished;
 
-  // kFewRowsTile channels an item for every problem, where the call has at most kMaxRows rows.
-  void UseFewRowsTiles() {
-    if (problems[0].M <= kMaxRows)
-      for (int i = 0; i < num_problems; ++i) tile_channels[i] = kFewRowsTile;
+  // Sets the items: guided (a call of at most kMaxRows rows, off the AMX tiles), or tiles of rows by channels.
+  void Plan(int64_t threads) {
+    guided = pack == nullptr && problems[0].M <= kMaxRows;
+    runs_share = kGuidedShare * std::max<int64_t>(threads, 1);
+    const int64_t chunks = guided ? 1 : (problems[0].M + row_chunk - 1) / row_chunk;
+    for (int i = 0; i < num_problems; ++i) {
+      tiles[i] = guided ? problems[i].N : (problems[i].N + tile_channels[i] - 1) / tile_channels[i];
+      first_item[i + 1] = first_item[i] + tiles[i] * chunks;
+    }
+    items = first_item[num_problems];
   }
 
+  // Whether another thread could take part of the items.
+  bool Shareable() const { return !solo && items > (guided ? kMinRunChannels : 1); }
+
   void Drain() {
+    if (guided) return DrainGuided();
     for (int64_t b = next_block.fetch_add(1); b < pack_blocks; b = next_block.fetch_add(1)) {
       pack(problems[0], b);
       blocks_packed.fetch_add(1, std::memory_order_release);
@@ -651,30 +670,46 @@ struct Work {
       const Problem& p = problems[i];
       const int64_t u = t - first_item[i], m0 = u / tiles[i] * row_chunk, n0 = u % tiles[i] * tile_channels[i];
       tile(p, m0, std::min(p.M, m0 + row_chunk), n0, std::min(p.N, n0 + tile_channels[i]));
-      if (done.fetch_add(1) + 1 == items) {
-        std::lock_guard<std::mutex> lock(mu);
-        finished.notify_all();
-      }
+      Finished(1);
+    }
+  }
+
+  // Claims runs of channels, each the unclaimed ones / runs_share (at least kMinRunChannels, within one
+  // problem), until none is left.
+  void DrainGuided() {
+    int64_t start = next.load(std::memory_order_relaxed);
+    while (start < items) {
+      int i = 0;
+      while (start >= first_item[i + 1]) ++i;
+      const int64_t size = std::min(std::max(kMinRunChannels, (items - start) / runs_share), first_item[i + 1] - start);
+      if (!next.compare_exchange_weak(start, start + size)) continue;  // another thread claimed first: reread
+      const Problem& p = problems[i];
+      const int64_t n0 = start - first_item[i];
+      tile(p, 0, p.M, n0, n0 + size);
+      Finished(size);
+      start = next.load(std::memory_order_relaxed);
+    }
+  }
+
+  // Counts `count` items done, and wakes the calling thread after the last.
+  void Finished(int64_t count) {
+    if (done.fetch_add(count) + count == items) {
+      std::lock_guard<std::mutex> lock(mu);
+      finished.notify_all();
     }
   }
 };
 
 // Runs `work` (its problems, tile function and row chunk set) on the calling thread and the crew (as many
 // helpers as XLA has intra-op threads, less one: work_list.h), or on the calling thread alone where
-// `work->solo`; a call of few rows off the AMX tiles takes kFewRowsTile channels an item. The crew, against
-// XLA's intra-op threads scheduled per call: the default model's 121 one-row products as a chain of dependent
-// calls, 0.92-0.95x the time at bfloat16 (AMD EPYC Zen 4, 2 cores; both in one process, alternating).
+// `work->solo`. The crew, against XLA's intra-op threads scheduled per call: the default model's 121 one-row
+// products as a chain of dependent calls, 0.92-0.95x the time at bfloat16 (AMD EPYC Zen 4, 2 cores; both in
+// one process, alternating).
 ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
   if (work->problems[0].M == 0) return ffi::Error::Success();
-  if (work->pack == nullptr) work->UseFewRowsTiles();  // not on the AMX tiles (which pack x first)
-  const int64_t chunks = (work->problems[0].M + work->row_chunk - 1) / work->row_chunk;
-  for (int i = 0; i < work->num_problems; ++i) {
-    work->tiles[i] = (work->problems[i].N + work->tile_channels[i] - 1) / work->tile_channels[i];
-    work->first_item[i + 1] = work->first_item[i] + work->tiles[i] * chunks;
-  }
-  work->items = work->first_item[work->num_problems];
+  work->Plan(pool.num_threads());
   if (work->items == 0) return ffi::Error::Success();
-  if (!work->solo && work->items > 1 && pool.num_threads() > 1)
+  if (work->Shareable() && pool.num_threads() > 1)
     Crew::Get(static_cast<int>(pool.num_threads()) - 1).Offer([work] { work->Drain(); });
   work->Drain();
   AwaitItems(work->done, work->items, work->mu, work->finished);
