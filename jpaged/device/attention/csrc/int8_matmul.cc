@@ -633,7 +633,8 @@ struct Work {
   void (*pack)(const Problem&, int64_t) = nullptr;  // packs one block of x's rows into problems[0].packed
   int64_t pack_blocks = 0;
   int64_t tiles[kMaxProblems] = {}, first_item[kMaxProblems + 1] = {}, items = 0;
-  bool guided = false;  // items are channels, problem after problem (first_item: where each problem's begin)
+  // guided: the items are channels, problem after problem (first_item: where each problem's channels begin)
+  bool guided = false;
   int64_t runs_share = 1;  // a guided claim takes the unclaimed channels / runs_share (kGuidedShare per thread)
   std::atomic<int64_t> next_block{0}, blocks_packed{0};
   std::atomic<int64_t> next{0};
@@ -681,7 +682,8 @@ struct Work {
     while (start < items) {
       int i = 0;
       while (start >= first_item[i + 1]) ++i;
-      const int64_t size = std::min(std::max(kMinRunChannels, (items - start) / runs_share), first_item[i + 1] - start);
+      const int64_t run = std::max(kMinRunChannels, (items - start) / runs_share);
+      const int64_t size = std::min(run, first_item[i + 1] - start);
       if (!next.compare_exchange_weak(start, start + size)) continue;  // another thread claimed first: reread
       const Problem& p = problems[i];
       const int64_t n0 = start - first_item[i];
