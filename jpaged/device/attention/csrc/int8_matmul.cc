@@ -671,7 +671,7 @@ struct Work {
       const Problem& p = problems[i];
       const int64_t u = t - first_item[i], m0 = u / tiles[i] * row_chunk, n0 = u % tiles[i] * tile_channels[i];
       tile(p, m0, std::min(p.M, m0 + row_chunk), n0, std::min(p.N, n0 + tile_channels[i]));
-      Finished(1);
+      FinishItems(done, 1, items, mu, finished);
     }
   }
 
@@ -688,16 +688,8 @@ struct Work {
       const Problem& p = problems[i];
       const int64_t n0 = start - first_item[i];
       tile(p, 0, p.M, n0, n0 + size);
-      Finished(size);
+      FinishItems(done, size, items, mu, finished);
       start = next.load(std::memory_order_relaxed);
-    }
-  }
-
-  // Counts `count` items done, and wakes the calling thread after the last.
-  void Finished(int64_t count) {
-    if (done.fetch_add(count) + count == items) {
-      std::lock_guard<std::mutex> lock(mu);
-      finished.notify_all();
     }
   }
 };

@@ -748,10 +748,7 @@ struct Work {
       const WorkItem* after = j < total ? &items[j] : nullptr;
       const bool ok = item.all_heads ? vector_path(problem, item, after) : RunItem(problem, item, buffer);
       if (!ok) bad_block = true;
-      if (done.fetch_add(1) + 1 == total) {
-        std::lock_guard<std::mutex> lock(mu);
-        finished.notify_all();
-      }
+      FinishItems(done, 1, total, mu, finished);
     }
   }
 };

@@ -38,6 +38,15 @@ inline void AwaitItems(const std::atomic<int64_t>& done, int64_t total, std::mut
   }
 }
 
+// Counts `count` more items done of `total`, and wakes the thread waiting in AwaitItems after the last.
+inline void FinishItems(std::atomic<int64_t>& done, int64_t count, int64_t total, std::mutex& mu,
+                        std::condition_variable& finished) {
+  if (done.fetch_add(count) + count == total) {
+    std::lock_guard<std::mutex> lock(mu);
+    finished.notify_all();
+  }
+}
+
 // Helper threads of the weight products' own, kept for the life of the process: a call offers its work
 // (`Offer`) and every helper runs it (a work's Drain claims items, so each item still runs once; a helper
 // that comes late finds none left). After a task a helper spins for up to kCrewIdle, yielding its core to
