@@ -87,11 +87,13 @@ def test_int8_computing_in_bfloat16_rounds_the_activations():
         assert np.abs(got - unrounded).max() > 1e-4 * scale
 
 
-def test_int8_rows_do_not_depend_on_the_threads():
+def test_int8_rows_do_not_depend_on_the_threads_or_the_row_count():
     """One or two rows run on the calling thread alone (except on AMD Zen 4: `native.int8_solo_max_rows`),
-    more rows split their output channels between threads (`kInt8SoloMaxRows` in csrc/int8_matmul.cc): a
-    row's product is the same bits either way, and matches the float64 reference, over enough channels for
-    many work items."""
+    more rows split their output channels between threads (`kInt8SoloMaxRows` in csrc/int8_matmul.cc), and
+    more than 8 rows of grouped scales multiply weights widened once into a float32 scratch (`WidenedTile`)
+    where fewer widen them in registers: a row's product is the same bits at every row count up to
+    NATIVE_MAX_ROWS, and matches the float64 reference, over enough channels for many work items (and a last
+    one of fewer channels)."""
     if not native.available_variants():
         pytest.skip("native kernels not built here")
     rng = np.random.default_rng(3)
@@ -99,13 +101,13 @@ def test_int8_rows_do_not_depend_on_the_threads():
     values = rng.integers(-127, 128, (n, k)).astype(np.int8)
     scales = (rng.random((n, k // 32)) * 0.02 + 0.001).astype(np.float16)
     w = QuantizedWeight(jnp.asarray(values), jnp.asarray(scales), (k, n), (0,))
-    x = rng.standard_normal((8, k)).astype(np.float32)
+    x = rng.standard_normal((NATIVE_MAX_ROWS, k)).astype(np.float32)
     matmul = jax.jit(quantized_matmul)
     batched = np.asarray(matmul(x, w))
     ref = _reference(x, values, scales)
     np.testing.assert_allclose(batched, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    for rows in (1, 2):
-        np.testing.assert_array_equal(np.asarray(matmul(x[:rows], w)), batched[:rows])
+    for rows in (1, 2, 8, 9, 17):
+        np.testing.assert_array_equal(np.asarray(matmul(x[:rows], w)), batched[:rows], err_msg=f"{rows} rows")
 
 
 def test_zen_4_has_its_own_few_row_choices():
