@@ -460,18 +460,17 @@ void Passes(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   }
 }
 
-// Rows [m0, m1) by channels [n0, n1) of int8 weights with grouped scales (G < K, a multiple of kLanes), many
-// rows (more than kMaxRows; Tile chooses): each channel's weights are widened and scaled once into a float32 scratch of this thread, kTile channels at a time, then every pass
-// of rows multiplies them as float32 rows (Block<float, NoScale>), where Block<int8_t, S> would widen and scale
-// them again in every pass, a group (Q8_0: 32 weights, two registers) at a time. The sums are Block<int8_t,
-// S>'s, bit for bit: each float32 weight is the value Block<int8_t, S> multiplies x by (Widen, then times its
-// group's scale), and a row's products are added in the same order, a group's kLanes-wide steps one after
-// another. Measured on an AMD
-// EPYC Zen 4 (2 cores; kernel alone, 30-layer stacks, the old and new library alternating in one process, 5
-// rounds, medians): Q8_0 [576 x 3072] 948 -> 869 us at 32 rows, 491 -> 490 at 16; Q8_0 [1536 x 576] 472 -> 418
-// at 32, 251 -> 239 at 16; per-channel scales [576 x 3072] even at 32 rows and 1.03-1.06x slower at 16, and 8
-// rows (guided, bound by reading the weights) 1.2x slower, so those keep Block's widening in registers. In the
-// engine, 24 requests of the Q8_0 file at once: 233 -> 237 tokens/s (0.98-1.10x by round).
+// Rows [m0, m1) by channels [n0, n1) of int8 weights with grouped scales (G < K, a multiple of kLanes), many rows (more
+// than kMaxRows; Tile chooses): each channel's weights are widened and scaled once into a float32 scratch of this
+// thread, kTile channels at a time, then every pass of rows multiplies them as float32 rows (Block<float, NoScale>),
+// where Block<int8_t, S> would widen and scale them again in every pass, a group (Q8_0: 32 weights, two registers) at a
+// time. The sums are Block<int8_t, S>'s, bit for bit: each float32 weight is the value Block<int8_t, S> multiplies x by
+// (Widen, then times its group's scale), and a row's products are added in the same order, a group's kLanes-wide steps
+// one after another. Measured on an AMD EPYC Zen 4 (2 cores; kernel alone, 30-layer stacks, the old and new library
+// alternating in one process, 5 rounds, medians): Q8_0 [576 x 3072] 948 -> 869 us at 32 rows, 491 -> 490 at 16; Q8_0
+// [1536 x 576] 472 -> 418 at 32, 251 -> 239 at 16; per-channel scales [576 x 3072] even at 32 rows and 1.03-1.06x
+// slower at 16, and 8 rows (guided, bound by reading the weights) 1.2x slower, so those keep Block's widening in
+// registers. In the engine, 24 requests of the Q8_0 file at once: 233 -> 237 tokens/s (0.98-1.10x by round).
 template <typename W, typename S>
 void WidenedTile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   for (; n1 - n0 > kTile; n0 += kTile) WidenedTile<W, S>(p, m0, m1, n0, n0 + kTile);  // kTile channels a scratch
