@@ -36,7 +36,8 @@
 // one with AMX-BF16 they go through tiles (AmxBlock). Output channels are split in tiles between the
 // calling thread and helper threads (work_list.h's Crew; int8 weights by one or two rows off AMD Zen 4: the
 // calling thread alone); inside a tile, rows go in chunks of up to 8, so a tile's weights are reused from
-// cache by every chunk.
+// cache by every chunk (int8 weights of grouped scales, more than 8 rows: widened and scaled once into a
+// float32 scratch that every chunk reads, WidenedTile).
 //
 // Built into the same per-instruction-set libraries as paged_attention.cc (setup.py), with GCC's
 // vector extensions: the variants differ only in their vector width and the instructions the
@@ -488,7 +489,7 @@ void WidenedTile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n
       const int64_t k1 = (g + 1) * G;
       int64_t k = g * G;
       for (; k + kLanes <= k1; k += kLanes) {
-        __builtin_prefetch(ahead + 2048, 0, 3);  // the weights come from memory; a line an iteration or more
+        __builtin_prefetch(ahead + 2048, 0, 3);  // the weights come from memory: 2 KB ahead, every register
         ahead += kLanes * sizeof(W);
         VF wv = Widen(w + c * K + k);
         if constexpr (kScaled) wv *= s;
