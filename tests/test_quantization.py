@@ -90,7 +90,7 @@ def test_int8_computing_in_bfloat16_rounds_the_activations():
 def test_int8_rows_do_not_depend_on_the_threads_or_the_row_count():
     """One or two rows run on the calling thread alone (except on AMD Zen 4: `native.int8_solo_max_rows`),
     more rows split their output channels between threads (`kInt8SoloMaxRows` in csrc/int8_matmul.cc), and
-    more than 8 rows of grouped scales multiply weights widened once into a float32 scratch (`WidenedTile`)
+    more than 16 rows of grouped scales multiply weights widened once into a float32 scratch (`WidenedTile`)
     where fewer widen them in registers: a row's product is the same bits at every row count up to
     NATIVE_MAX_ROWS, and matches the float64 reference, over enough channels for many work items (and a last
     one of fewer channels)."""

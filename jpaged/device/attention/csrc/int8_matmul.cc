@@ -461,8 +461,8 @@ void Passes(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   }
 }
 
-// Rows [m0, m1) by channels [n0, n1) of int8 weights with grouped scales (G < K, a multiple of kLanes), many rows (more
-// than kMaxRows; Tile chooses): each channel's weights are widened and scaled once into a float32 scratch of this
+// Rows [m0, m1) by channels [n0, n1) of int8 weights with grouped scales (G < K, a multiple of kLanes), many rows (at
+// least kWidenedRows; Tile chooses): each channel's weights are widened and scaled once into a float32 scratch of this
 // thread, kTile channels at a time, then every pass of rows multiplies them as float32 rows (Block<float, NoScale>),
 // where Block<int8_t, S> would widen and scale them again in every pass, a group (Q8_0: 32 weights, two registers) at a
 // time. The sums are Block<int8_t, S>'s, bit for bit: each float32 weight is the value Block<int8_t, S> multiplies x by
@@ -472,33 +472,28 @@ void Passes(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
 // [1536 x 576] 472 -> 418 at 32, 251 -> 239 at 16; per-channel scales [576 x 3072] even at 32 rows and 1.03-1.06x
 // slower at 16, and 8 rows (guided, bound by reading the weights) 1.2x slower, so those keep Block's widening in
 // registers. In the engine, 24 requests of the Q8_0 file at once: 233 -> 237 tokens/s (0.98-1.10x by round).
-template <typename W, typename S>
+// Fewer rows share too little of each widening: Q8_0 at 9 rows 1.02-1.15x the time ([576 x 3072]) and 0.94-1.79x
+// ([1536 x 576]), at 12 rows 0.93-1.07x and 0.98-1.10x, at 16 0.96-1.02x and 0.93-1.17x, at 24 0.89-1.02x and
+// 0.90-0.94x (the same A/B, medians 306 -> 354, 151 -> 170, 361 -> 381, 175 -> 184, 478 -> 472, 229 -> 220, 722 ->
+// 667, 333 -> 303 us), so it starts past 16 rows.
+constexpr int64_t kWidenedRows = 17;
+template <typename S>
 void WidenedTile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  for (; n1 - n0 > kTile; n0 += kTile) WidenedTile<W, S>(p, m0, m1, n0, n0 + kTile);  // kTile channels a scratch
-  constexpr bool kScaled = !std::is_same_v<S, NoScale>;
+  for (; n1 - n0 > kTile; n0 += kTile) WidenedTile<S>(p, m0, m1, n0, n0 + kTile);  // kTile channels a scratch
   const int64_t K = p.K, G = p.G, groups = K / G, channels = n1 - n0;
   thread_local std::vector<float> scratch;
   if (static_cast<int64_t>(scratch.size()) < channels * K) scratch.resize(channels * K);
-  const W* w = static_cast<const W*>(p.w) + n0 * K;
+  const int8_t* w = static_cast<const int8_t*>(p.w) + n0 * K;
   const char* ahead = reinterpret_cast<const char*>(w);
   for (int64_t c = 0; c < channels; ++c) {
     float* out = scratch.data() + c * K;
     for (int64_t g = 0; g < groups; ++g) {
-      float s = 1.0f;
-      if constexpr (kScaled) s = Scale(static_cast<const S*>(p.scales) + (n0 + c) * groups + g);
-      const int64_t k1 = (g + 1) * G;
-      int64_t k = g * G;
-      for (; k + kLanes <= k1; k += kLanes) {
+      const float s = Scale(static_cast<const S*>(p.scales) + (n0 + c) * groups + g);
+      for (int64_t k = g * G; k < (g + 1) * G; k += kLanes) {  // G is a multiple of kLanes (Tile checks)
         __builtin_prefetch(ahead + 2048, 0, 3);  // the weights come from memory: 2 KB ahead, every register
-        ahead += kLanes * sizeof(W);
-        VF wv = Widen(w + c * K + k);
-        if constexpr (kScaled) wv *= s;
+        ahead += kLanes;
+        VF wv = Widen(w + c * K + k) * s;
         std::memcpy(out + k, &wv, sizeof wv);
-      }
-      for (; k < k1; ++k) {
-        float wk = WidenOne(w[c * K + k]);
-        if constexpr (kScaled) wk *= s;
-        out[k] = wk;
       }
     }
   }
@@ -513,7 +508,7 @@ void WidenedTile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n
 template <typename W, typename S>
 void Tile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   if constexpr (std::is_same_v<W, int8_t>)
-    if (m1 - m0 > kMaxRows && p.G < p.K && p.G % kLanes == 0) return WidenedTile<W, S>(p, m0, m1, n0, n1);
+    if (m1 - m0 >= kWidenedRows && p.G < p.K && p.G % kLanes == 0) return WidenedTile<S>(p, m0, m1, n0, n1);
   Passes<W, S>(p, m0, m1, n0, n1);
 }
 
