@@ -34,11 +34,10 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `jpaged` impo
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
+from bench.peers.make_gguf import INT8_DTYPES  # noqa: E402
 from bench.traces import load_alpaca_prompts  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16", "int8", "int8-bf16")  # the parameters' widths (int8: quantization="int8")
-_SETTINGS = {"int8": dict(dtype="float32", quantization="int8"),  # the LLM arguments of each width
-             "int8-bf16": dict(dtype="bfloat16", quantization="int8")}  # int8 products computing in bfloat16
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
 
@@ -47,6 +46,11 @@ def cpu_summary(cpu: dict) -> dict:
     XLA's 16-bit matmul paths, present or not."""
     return {"model_name": cpu.get("model_name"), "nproc": cpu.get("nproc"),
             "isa": {f: f in cpu.get("isa", ()) for f in ISA_FLAGS}, "amx": bool(cpu.get("has_amx"))}
+
+
+def _llm_args(width: str) -> dict:
+    """The `LLM` arguments of a width: an int8 width is `quantization="int8"` at its products' dtype."""
+    return dict(dtype=INT8_DTYPES[width], quantization="int8") if width in INT8_DTYPES else dict(dtype=width)
 
 
 def _matching_prefix(tokens, reference) -> list[int]:
@@ -62,7 +66,7 @@ def run(num_requests: int, max_tokens: int, num_single: int, rounds: int, log=pr
 
     loaded = load_model(None)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llms = {dtype: LLM(loaded=loaded, num_blocks=num_requests * 8 + 8, **_SETTINGS.get(dtype, dict(dtype=dtype)))
+    llms = {dtype: LLM(loaded=loaded, num_blocks=num_requests * 8 + 8, **_llm_args(dtype))
             for dtype in DTYPES}
     prompts = [llms["float32"].chat_prompt([{"role": "user", "content": p}])
                for p in load_alpaca_prompts()[:num_requests]]
