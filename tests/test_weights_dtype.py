@@ -334,20 +334,23 @@ def test_float32_rows_sum_a_row_alike_in_every_batch_up_to_native32_max_rows():
     """Batch invariance of float32 products, bit for bit: a row's `quantized_matmul` by float32 rows is the
     same alone and among any rows up to `NATIVE32_MAX_ROWS` (every decode step of that many rows; XLA's dot
     sums one row alone differently from the same row among two), at the default model's widths and at K not a
-    multiple of the lanes; and every native variant sums a row the same among 1 to 40 rows."""
+    multiple of the lanes; and every native variant sums a row the same among 1 to 40 rows, for float32 and
+    bfloat16 rows alike (one row takes its own loop over K, several inputs an iteration: `kOneRowSteps`)."""
     rng = np.random.default_rng(3)
     product = jax.jit(quantized_matmul)
     for k, n in ((576, 192), (1536, 64), (80, 70)):
         rows32 = float_rows(jnp.asarray(rng.standard_normal((k, n)).astype(np.float32)), (k, n), (0,))
+        rows16 = float_rows(jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16), (k, n), (0,))
         x = rng.standard_normal((40, k)).astype(np.float32)
         among = np.asarray(product(x[:NATIVE32_MAX_ROWS], rows32))
         for m in (1, 2, 3, 8, 9, NATIVE32_MAX_ROWS - 1):
             np.testing.assert_array_equal(np.asarray(product(x[:m], rows32)), among[:m], err_msg=f"K {k}, {m} rows")
         for variant in native.available_variants():
-            many = native_rows_product(variant, x, rows32.values)
-            for m in (1, 2, 5, 16, 33):
-                np.testing.assert_array_equal(native_rows_product(variant, x[:m], rows32.values), many[:m],
-                                              err_msg=f"{variant}, K {k}, {m} rows")
+            for rows in (rows32, rows16):
+                many = native_rows_product(variant, x, rows.values)
+                for m in (1, 2, 5, 16, 33):
+                    np.testing.assert_array_equal(native_rows_product(variant, x[:m], rows.values), many[:m],
+                                                  err_msg=f"{variant}, {rows.values.dtype}, K {k}, {m} rows")
 
 
 @on_cpu
