@@ -330,8 +330,8 @@ def test_float32_native_rows_give_the_xla_paths_tokens(llm, make_llm, monkeypatc
 
 
 @pytest.mark.skipif(not native.available_variants(), reason="the native kernel is not built")
-def test_float32_rows_sum_a_row_alike_in_every_batch_up_to_native32_max_rows():
-    """Batch invariance of float32 products, bit for bit: a row's `quantized_matmul` by float32 rows is the
+def test_float_rows_sum_a_row_alike_in_every_batch_up_to_native32_max_rows():
+    """Batch invariance of float-rows products, bit for bit: a row's `quantized_matmul` by float32 rows is the
     same alone and among any rows up to `NATIVE32_MAX_ROWS` (every decode step of that many rows; XLA's dot
     sums one row alone differently from the same row among two), at the default model's widths and at K not a
     multiple of the lanes; and every native variant sums a row the same among 1 to 40 rows, for float32 and
