@@ -38,7 +38,6 @@ import functools
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -85,17 +84,11 @@ def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> dict:
 def build_block_reader():
     """`read_chunks` of bench/csrc/block_read.c, compiled for this CPU into a temporary folder, or None
     (with a line saying why) where no C compiler builds it."""
-    source = Path(__file__).resolve().parent / "csrc" / "block_read.c"
-    compiler = os.environ.get("CC", "cc")
-    with tempfile.TemporaryDirectory(prefix="jpaged-bench-") as folder:  # loaded, the library needs no file
-        library = Path(folder) / "block_read.so"
-        try:
-            subprocess.run([compiler, "-O2", "-march=native", "-shared", "-fPIC", str(source), "-o", str(library)],
-                           check=True, capture_output=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as error:
-            print(f"block-read bound skipped: {compiler} could not build {source.name} ({error})")
-            return None
-        read = ctypes.CDLL(str(library)).read_chunks
+    try:
+        read = common.load_c_library("block_read.c").read_chunks
+    except (OSError, subprocess.SubprocessError) as error:
+        print(f"block-read bound skipped: {os.environ.get('CC', 'cc')} could not build block_read.c ({error})")
+        return None
     read.restype = ctypes.c_float
     read.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int]
     return read

@@ -124,6 +124,22 @@ def jsonable(x):
     return x
 
 
+def load_c_library(name: str, flags=()):
+    """bench/csrc/`name`, compiled for this CPU (the system C compiler, `$CC` or cc: -O2 -march=native -shared
+    -fPIC, then `flags`) into a temporary folder and loaded with ctypes (loaded, the library needs no file).
+    Raises OSError or subprocess.SubprocessError where no compiler builds it. The benchmarks' instruments only:
+    nothing in jpaged is built this way."""
+    import ctypes
+    import tempfile
+
+    source = Path(__file__).resolve().parent / "csrc" / name
+    with tempfile.TemporaryDirectory(prefix="jpaged-bench-") as folder:
+        library = Path(folder) / (source.stem + ".so")
+        subprocess.run([os.environ.get("CC", "cc"), "-O2", "-march=native", "-shared", "-fPIC", *flags, str(source),
+                        "-o", str(library)], check=True, capture_output=True, timeout=120)
+        return ctypes.CDLL(str(library))
+
+
 def write_json(path: Path, obj) -> Path:
     """Writes `obj` as indented JSON (numpy scalars/arrays converted, inf/nan as null)."""
     path = Path(path)

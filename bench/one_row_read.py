@@ -27,11 +27,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -46,13 +43,7 @@ QKV = (576, 192, 192)  # q, k, v output channels (9 query heads, 3 KV heads of 6
 
 def build_loop():
     """`rr_pass` of bench/csrc/row_read.c, compiled for this CPU into a temporary folder."""
-    source = Path(__file__).resolve().parent / "csrc" / "row_read.c"
-    compiler = os.environ.get("CC", "cc")
-    with tempfile.TemporaryDirectory(prefix="jpaged-bench-") as folder:  # loaded, the library needs no file
-        library = Path(folder) / "row_read.so"
-        subprocess.run([compiler, "-O2", "-march=native", "-pthread", "-shared", "-fPIC", str(source), "-o",
-                        str(library)], check=True, capture_output=True, timeout=120)
-        rr_pass = ctypes.CDLL(str(library)).rr_pass
+    rr_pass = common.load_c_library("row_read.c", ["-pthread"]).rr_pass
     rr_pass.restype = ctypes.c_double
     rr_pass.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 2
     return rr_pass
