@@ -88,8 +88,9 @@ def test_int8_computing_in_bfloat16_rounds_the_activations():
 
 
 def test_int8_rows_do_not_depend_on_the_threads_or_the_row_count():
-    """One or two rows run on the calling thread alone (except on AMD Zen 4: `native.int8_solo_max_rows`),
-    more rows split their output channels between threads (`kInt8SoloMaxRows` in csrc/int8_matmul.cc), and
+    """One or two rows run on the calling thread alone (in the AVX-512 library off AMD Zen 4:
+    `native.int8_solo_max_rows`), more rows split their output channels between threads (`kInt8SoloMaxRows` in
+    csrc/int8_matmul.cc), and
     more than 16 rows of grouped scales multiply weights widened once into a float32 scratch (`WidenedTile`)
     where fewer widen them in registers: a row's product is the same bits at every row count up to
     NATIVE_MAX_ROWS, and matches the float64 reference, over enough channels for many work items (and a last
@@ -113,9 +114,11 @@ def test_int8_rows_do_not_depend_on_the_threads_or_the_row_count():
 def test_zen_4_has_its_own_few_row_choices():
     """On AMD family 25 (Zen 4, which runs each 512-bit operation as two 256-bit halves) the AVX-512 library
     gives even one-row int8 products a helper thread, and reads the float32 and bfloat16 weights of one row a
-    channel at a time; elsewhere, and in the other builds, int8 products of up to 2 rows run on the calling
-    thread alone, and one row reads several channels side by side. Read against /proc/cpuinfo's vendor and
-    family. (Either way a row's sums are the same bits: test_weights_dtype.py's batch-invariance tests.)"""
+    channel at a time; on other CPUs the AVX-512 library runs int8 products of up to 2 rows on the calling
+    thread alone; the builds without AVX-512 give every int8 product its helper on every CPU; and one row
+    reads several channels side by side everywhere but in the AVX-512 library on Zen 4. Read against
+    /proc/cpuinfo's vendor and family. (Either way a row's sums are the same bits: test_weights_dtype.py's
+    batch-invariance tests, and test_int8_rows_do_not_depend_on_the_threads_or_the_row_count.)"""
     if not native.available_variants():
         pytest.skip("native kernels not built here")
     cpuinfo = Path("/proc/cpuinfo")
@@ -124,7 +127,7 @@ def test_zen_4_has_its_own_few_row_choices():
     zen4 = bool(vendor and family and vendor[1] == "AuthenticAMD" and int(family[1]) == 25)
     for variant in native.available_variants():
         on_zen4 = zen4 and variant == "avx512"
-        assert native.int8_solo_max_rows(variant) == (0 if on_zen4 else 2), variant
+        assert native.int8_solo_max_rows(variant) == (2 if variant == "avx512" and not on_zen4 else 0), variant
         assert native.reads_channel_at_a_time(variant) == on_zen4, variant
 
 

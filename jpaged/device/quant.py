@@ -112,8 +112,10 @@ whatever the weights' width: 120 requests of 64 tokens (`bench/vs_peers.py`'s se
 steps of 4096 tokens were half the time) ran 247-256 tokens/s in float32 against 391-441 in bfloat16 (AMD
 EPYC Zen 4, 2 cores, `LLM.generate` of the Q8_0 file, alternating processes).
 
-int8 products of one or two rows have no helpers: the calling thread takes every item, which was faster
-(`kInt8SoloMaxRows` in the kernel; one stream of the Q8_0 file served, AMD EPYC, 7.6 -> 5.6-6.0 ms a token).
+int8 products of one or two rows have no helpers on AVX-512 CPUs other than AMD Zen 4: the calling thread
+takes every item, which was faster there (`kInt8SoloMaxRows` in the kernel; one stream of the Q8_0 file served,
+AMD EPYC, 7.6 -> 5.6-6.0 ms a token). On Zen 4 and in the builds without AVX-512 one thread's arithmetic
+bounds an int8 row, and every int8 product has its helper (`native.int8_solo_max_rows`).
 """
 
 from __future__ import annotations

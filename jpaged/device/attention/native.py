@@ -146,8 +146,9 @@ def avx512_bf16(variant: str = "auto") -> bool:
 def int8_solo_max_rows(variant: str = "auto") -> int:
     """The most rows of an int8 product that `variant`'s library runs on the calling thread alone, without
     its helper threads (`Crew`, `csrc/work_list.h`), on this CPU: 2, or 0 where one thread's arithmetic
-    cannot keep up with the memory (AMD Zen 4, which splits each 512-bit operation in two:
-    `csrc/int8_matmul.cc`). 0 where the native kernels cannot run."""
+    cannot keep up with the memory (AMD Zen 4, which splits each 512-bit operation in two, and every build
+    without AVX-512, whose registers widen half as many weights: `csrc/int8_matmul.cc`). 0 where the native
+    kernels cannot run."""
     return _library_says(variant, "JpagedInt8SoloMaxRows", int)
 
 

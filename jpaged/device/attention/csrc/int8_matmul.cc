@@ -34,8 +34,8 @@
 // float32 (and scaled) in registers (bfloat16: a 16-bit shift), then multiplied into up to 8 rows of x
 // (float32 accumulation); bfloat16 weights on a CPU with AVX512-BF16 are not widened (Bf16DotBlock), and on
 // one with AMX-BF16 they go through tiles (AmxBlock). Output channels are split in tiles between the
-// calling thread and helper threads (work_list.h's Crew; int8 weights by one or two rows off AMD Zen 4: the
-// calling thread alone); inside a tile, rows go in chunks of up to 8, so a tile's weights are reused from
+// calling thread and helper threads (work_list.h's Crew; int8 weights by one or two rows on AVX-512 off AMD Zen 4:
+// the calling thread alone); inside a tile, rows go in chunks of up to 8, so a tile's weights are reused from
 // cache by every chunk (int8 weights of grouped scales, more than 8 rows: widened and scaled once into a
 // float32 scratch that every chunk reads, WidenedTile).
 //
@@ -152,8 +152,17 @@ bool SplitsWideVectors() {
 #endif
 }
 
-// The most rows of an int8 product that run on the calling thread alone, on this CPU (kInt8SoloMaxRows).
-int64_t Int8SoloMaxRows() { return SplitsWideVectors() ? 0 : kInt8SoloMaxRows; }
+// The most rows of an int8 product that run on the calling thread alone, on this CPU (kInt8SoloMaxRows): none
+// in the builds without AVX-512, whose registers widen 8 weights at a time, half of AVX-512's, so that one
+// thread's arithmetic bounds an int8 row as on Zen 4. Measured there with the AVX2 library forced (and XLA at
+// AVX2): one stream of int8 weights served, scratch figures in bench/README ("The AVX2 paths on the Zen 4").
+int64_t Int8SoloMaxRows() {
+#if defined(__AVX512F__)
+  return SplitsWideVectors() ? 0 : kInt8SoloMaxRows;
+#else
+  return 0;
+#endif
+}
 
 struct Bf16 {  // a bfloat16 weight, as its bit pattern
   uint16_t bits;
