@@ -90,11 +90,10 @@ def test_int8_computing_in_bfloat16_rounds_the_activations():
 def test_int8_rows_do_not_depend_on_the_threads_or_the_row_count():
     """One or two rows run on the calling thread alone (in the AVX-512 library off AMD Zen 4:
     `native.int8_solo_max_rows`), more rows split their output channels between threads (`kInt8SoloMaxRows` in
-    csrc/int8_matmul.cc), and
-    more than 16 rows of grouped scales multiply weights widened once into a float32 scratch (`WidenedTile`)
-    where fewer widen them in registers: a row's product is the same bits at every row count up to
-    NATIVE_MAX_ROWS, and matches the float64 reference, over enough channels for many work items (and a last
-    one of fewer channels)."""
+    csrc/int8_matmul.cc), and more than 16 rows of grouped scales multiply weights widened once into a float32
+    scratch (`WidenedTile`) where fewer widen them in registers: a row's product is the same bits at every row
+    count up to NATIVE_MAX_ROWS, and matches the float64 reference, over enough channels for many work items
+    (and a last one of fewer channels)."""
     if not native.available_variants():
         pytest.skip("native kernels not built here")
     rng = np.random.default_rng(3)
