@@ -115,7 +115,8 @@ def test_zen_4_has_its_own_few_row_choices():
     gives even one-row int8 products a helper thread, and reads the float32 and bfloat16 weights of one row a
     channel at a time; on other CPUs the AVX-512 library runs int8 products of up to 2 rows on the calling
     thread alone; the builds without AVX-512 give every int8 product its helper on every CPU; and one row
-    reads several channels side by side everywhere but in the AVX-512 library on Zen 4. Read against
+    reads several channels side by side everywhere but in the AVX-512 and AVX2 libraries on AMD family 25
+    (the AVX2 library on Zen 3 too). Read against
     /proc/cpuinfo's vendor and family. (Either way a row's sums are the same bits: test_weights_dtype.py's
     batch-invariance tests, and test_int8_rows_do_not_depend_on_the_threads_or_the_row_count.)"""
     if not native.available_variants():
@@ -127,7 +128,7 @@ def test_zen_4_has_its_own_few_row_choices():
     for variant in native.available_variants():
         on_zen4 = zen4 and variant == "avx512"
         assert native.int8_solo_max_rows(variant) == (2 if variant == "avx512" and not on_zen4 else 0), variant
-        assert native.reads_channel_at_a_time(variant) == on_zen4, variant
+        assert native.reads_channel_at_a_time(variant) == (zen4 and variant in ("avx512", "avx2")), variant
 
 
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])
