@@ -116,9 +116,9 @@ def test_zen_4_has_its_own_few_row_choices():
     channel at a time; on other CPUs the AVX-512 library runs int8 products of up to 2 rows on the calling
     thread alone; the builds without AVX-512 give every int8 product its helper on every CPU; and one row
     reads several channels side by side everywhere but in the AVX-512 and AVX2 libraries on AMD family 25
-    (the AVX2 library on Zen 3 too). Read against
-    /proc/cpuinfo's vendor and family. (Either way a row's sums are the same bits: test_weights_dtype.py's
-    batch-invariance tests, and test_int8_rows_do_not_depend_on_the_threads_or_the_row_count.)"""
+    (the AVX2 library on Zen 3 too). Read against /proc/cpuinfo's vendor and family. (Either way a row's sums
+    are the same bits: test_weights_dtype.py's batch-invariance tests, and
+    test_int8_rows_do_not_depend_on_the_threads_or_the_row_count.)"""
     if not native.available_variants():
         pytest.skip("native kernels not built here")
     cpuinfo = Path("/proc/cpuinfo")

@@ -458,7 +458,7 @@ constexpr int kOneRowChannels =
 
 // Whether one row of x reads float32 and VDPBF16PS's bfloat16 weights a channel at a time (each channel's K
 // weights whole, one sequential stream, then the next channel's), not kOneRowChannels streams side by side:
-// on AMD Zen 4 (SplitsWideVectors: the AVX-512 build on family 19h). There the side-by-side streams read
+// on AMD Zen 4 (AmdFamily19h, in the AVX-512 build). There the side-by-side streams read
 // below the memory's rate, and a channel at a time reaches it. Measured on an AMD EPYC Zen 4 (2 cores): a
 // C++ scratch loop of the kernel's two access patterns, two threads, the default model's [49152 x 576]
 // bfloat16 LM head from memory, 26-35 GB/s with 4 streams against 40-44 a channel at a time (medians of 9-15
@@ -477,10 +477,8 @@ template <typename W>
 constexpr bool kChannelAtATimeKinds =
     std::is_same_v<W, Bf16Dot> || std::is_same_v<W, float> || std::is_same_v<W, Bf16>;
 
-bool ReadsChannelAtATime() {
-#if defined(__AVX512F__)
-  return SplitsWideVectors();
-#elif defined(__AVX2__)
+bool ReadsChannelAtATime() {  // the AVX-512 build (which has AVX2 too) and the AVX2 build
+#if defined(__AVX2__)
   return AmdFamily19h();
 #else
   return false;
