@@ -87,27 +87,38 @@ def test_int8_computing_in_bfloat16_rounds_the_activations():
         assert np.abs(got - unrounded).max() > 1e-4 * scale
 
 
-def test_int8_rows_do_not_depend_on_the_threads_or_the_row_count():
+@pytest.mark.parametrize("group", [32, 160])
+def test_int8_rows_do_not_depend_on_the_threads_or_the_row_count(group):
     """One or two rows run on the calling thread alone (in the AVX-512 library off AMD Zen 4:
     `native.int8_solo_max_rows`), more rows split their output channels between threads (`kInt8SoloMaxRows` in
-    csrc/int8_matmul.cc), and more than 16 rows of grouped scales multiply weights widened once into a float32
-    scratch (`WidenedTile`) where fewer widen them in registers: a row's product is the same bits at every row
-    count up to NATIVE_MAX_ROWS, and matches the float64 reference, over enough channels for many work items
-    (and a last one of fewer channels)."""
+    csrc/int8_matmul.cc), more than 16 rows of grouped scales multiply weights widened once into a float32
+    scratch (`WidenedTile`) where fewer widen them in registers, and the builds without AVX-512 sum each group
+    unscaled (`kScalesAfterGroups`), one row of grouped scales in a loop of its own (`OneRowGroupSums`): in every
+    library built here, a row's product is the same bits at every row count up to NATIVE_MAX_ROWS, and matches
+    the float64 reference, over enough channels for many work items (and a last one of fewer channels), with
+    Q8_0's groups of 32 (5 a channel: a loop's 4 and one more) and per-channel scales."""
     if not native.available_variants():
         pytest.skip("native kernels not built here")
     rng = np.random.default_rng(3)
     n, k = 700, 160
     values = rng.integers(-127, 128, (n, k)).astype(np.int8)
-    scales = (rng.random((n, k // 32)) * 0.02 + 0.001).astype(np.float16)
-    w = QuantizedWeight(jnp.asarray(values), jnp.asarray(scales), (k, n), (0,))
+    scales = (rng.random((n, k // group)) * 0.02 + 0.001).astype(np.float16)
     x = rng.standard_normal((NATIVE_MAX_ROWS, k)).astype(np.float32)
-    matmul = jax.jit(quantized_matmul)
-    batched = np.asarray(matmul(x, w))
     ref = _reference(x, values, scales)
-    np.testing.assert_allclose(batched, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    for rows in (1, 2, 8, 9, 17):
-        np.testing.assert_array_equal(np.asarray(matmul(x[:rows], w)), batched[:rows], err_msg=f"{rows} rows")
+
+    def product(variant, rows):
+        call = jax.ffi.ffi_call(native.int8_matmul_target(variant), [jax.ShapeDtypeStruct((rows, n), jnp.float32)])
+        return np.asarray(call(x[:rows], np.int32(0), values, scales)[0])
+
+    for variant in native.available_variants():
+        batched = product(variant, NATIVE_MAX_ROWS)
+        np.testing.assert_allclose(batched, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=variant)
+        for rows in (1, 2, 3, 4, 5, 8, 9, 17):
+            np.testing.assert_array_equal(product(variant, rows), batched[:rows], err_msg=f"{variant}, {rows} rows")
+    w = QuantizedWeight(jnp.asarray(values), jnp.asarray(scales), (k, n), (0,))
+    for rows in (1, 9):  # the model's products call the first library
+        np.testing.assert_array_equal(np.asarray(jax.jit(quantized_matmul)(x[:rows], w)),
+                                      product(native.available_variants()[0], rows))
 
 
 def test_zen_4_has_its_own_few_row_choices():

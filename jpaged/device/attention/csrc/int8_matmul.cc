@@ -31,13 +31,14 @@
 // Both handlers check every operand and result shape against x and the layer before reading any.
 //
 // Each weight is read once per call from memory: kLanes at a time (one register: lanes.h), widened to
-// float32 (and scaled) in registers (bfloat16: a 16-bit shift), then multiplied into up to 8 rows of x
-// (float32 accumulation); bfloat16 weights on a CPU with AVX512-BF16 are not widened (Bf16DotBlock), and on
-// one with AMX-BF16 they go through tiles (AmxBlock). Output channels are split in tiles between the
-// calling thread and helper threads (work_list.h's Crew; int8 weights by one or two rows on AVX-512 off AMD Zen 4:
-// the calling thread alone); inside a tile, rows go in chunks of up to 8, so a tile's weights are reused from
-// cache by every chunk (int8 weights of grouped scales, more than 8 rows: widened and scaled once into a
-// float32 scratch that every chunk reads, WidenedTile).
+// float32 in registers (bfloat16: a 16-bit shift), then multiplied into up to 8 rows of x (float32
+// accumulation; int8 scales multiply each register, each group's sums or each channel's: kScalesAfterGroups);
+// bfloat16 weights on a CPU with AVX512-BF16 are not widened (Bf16DotBlock), and on one with AMX-BF16 they go
+// through tiles (AmxBlock). Output channels are split in tiles between the calling thread and helper threads
+// (work_list.h's Crew; int8 weights by one or two rows on AVX-512 off AMD Zen 4: the calling thread alone);
+// inside a tile, rows go in chunks of up to 8 (4 for int8 weights outside the AVX-512 build), so a tile's
+// weights are reused from cache by every chunk (int8 weights of grouped scales, more than 16 rows: widened
+// once into a float32 scratch that every chunk reads, WidenedTile).
 //
 // Built into the same per-instruction-set libraries as paged_attention.cc (setup.py), with GCC's
 // vector extensions: the variants differ only in their vector width and the instructions the
@@ -299,11 +300,31 @@ struct Problem {
 // float32 and at bfloat16.
 constexpr int kOneRowSteps = 4;
 
+// Where an int8 weight's scales are applied. Per-channel scales (G = K) multiply each channel's sum once, at the
+// end, in every build (kPerChannel: y = s * sum_k w_k * x_k). Grouped scales (G < K, a multiple of kLanes; other
+// groups as in the AVX-512 build): the AVX-512 build
+// multiplies each register of widened weights by its group's scale before the multiply-adds (y = sum_k (w_k *
+// s_g(k)) * x_k: a multiply a register, shared by the rows of a pass); the other builds sum each group's products
+// unscaled in accumulators of its own and add them into the row's accumulators times the group's scale once the
+// group ends (kScalesAfterGroups, y = sum_g s_g * sum_{k in g} w_k * x_k, lane by lane: GroupSums), a
+// multiply-add a group and row instead of a multiply a register. Either way a row's sums do not depend on the rows
+// or channels beside it: each accumulator adds the same products in the same order. Per-channel scales at the end,
+// measured on an AMD EPYC Zen 4 (2 cores; the default model's 121 products with per-channel scales, 135 MB, as a
+// chain of dependent calls under XLA, alternating processes, two rounds): the AVX-512 library at 4 rows 8.5 / 9.3 ->
+// 7.4 / 7.5 ms, 8 rows 17.3 / 16.9 -> 13.8 / 13.7, one row even (4.2-6.2 ms either, bound by the memory); the AVX2
+// library forced (with its passes of 4 rows) at 4 rows 8.4 / 10.0 -> 8.5 / 8.4, 8 rows 37.6 / 35.5 -> 16.4 / 17.3.
+#if defined(__AVX512F__)
+constexpr bool kScalesAfterGroups = false;
+#else
+constexpr bool kScalesAfterGroups = true;
+#endif
+
 // Rows [m0, m0 + R) by output channels [n0, n0 + NO): R * NO independent accumulators. W: the weights'
-// type; S: their scales' (NoScale: none).
-template <typename W, typename S, int R, int NO>
+// type; S: their scales' (NoScale: none); kPerChannel: one scale a channel (G = K), which multiplies its sums at
+// the end (else each register of weights is multiplied by its group's scale).
+template <typename W, typename S, int R, int NO, bool kPerChannel = false>
 inline void Block(const Problem& p, int64_t m0, int64_t n0) {
-  constexpr bool kScaled = !std::is_same_v<S, NoScale>;
+  constexpr bool kScaled = !std::is_same_v<S, NoScale> && !kPerChannel;  // scales applied to the weights
   const int64_t K = p.K, G = p.G, groups = K / G;
   const W* w = static_cast<const W*>(p.w);
   // The next NO channels' weights (contiguous, NO * K of them) are prefetched while these are read, as
@@ -355,7 +376,10 @@ inline void Block(const Problem& p, int64_t m0, int64_t n0) {
       }
   }
   for (int r = 0; r < R; ++r)
-    for (int o = 0; o < NO; ++o) p.y[(m0 + r) * p.N + n0 + o] = AddLanes(acc[r][o]) + tail[r][o];
+    for (int o = 0; o < NO; ++o) {
+      p.y[(m0 + r) * p.N + n0 + o] = AddLanes(acc[r][o]) + tail[r][o];
+      if constexpr (kPerChannel) p.y[(m0 + r) * p.N + n0 + o] *= Scale(static_cast<const S*>(p.scales) + n0 + o);
+    }
 }
 
 #ifdef JPAGED_AVX512_BF16
@@ -432,13 +456,13 @@ __attribute__((target("avx512f,avx512bf16"))) inline void Bf16DotBlock(const Pro
 #endif  // JPAGED_AVX512_BF16
 
 // Block, or Bf16DotBlock for bfloat16 weights on VDPBF16PS (W = Bf16Dot).
-template <typename W, typename S, int R, int NO>
+template <typename W, typename S, int R, int NO, bool kPerChannel>
 inline void AnyBlock(const Problem& p, int64_t m0, int64_t n0) {
 #ifdef JPAGED_AVX512_BF16
   if constexpr (std::is_same_v<W, Bf16Dot>) return Bf16DotBlock<R, NO>(p, m0, n0);
   else
 #endif
-    Block<W, S, R, NO>(p, m0, n0);
+    Block<W, S, R, NO, kPerChannel>(p, m0, n0);
 }
 
 // Channels per block of one row of x (Rows): each is a stream of the weights read side by side with the
@@ -485,22 +509,97 @@ bool ReadsChannelAtATime() {  // the AVX-512 build (which has AVX2 too) and the 
 #endif
 }
 
-// Rows [m0, m0 + R) by the channels [n0, n1): NO at a time (8 accumulators or more: kWideChannels; one
-// row: kOneRowChannels), the rest one by one (every channel one by one where ReadsChannelAtATime).
+// Rows [m0, m0 + R) by the channels [n0, n1) of grouped int8 weights (G < K, a multiple of kLanes) in the builds that
+// scale a group's sums (kScalesAfterGroups; at most kGroupSumRows rows): a channel at a time, one sequential stream,
+// its groups kSideBySide at a time, each group's sums of each row in an accumulator of its own (R * kSideBySide >= 8
+// independent chains of multiply-adds: Block's one row of Q8_0, 4 registers a group, spent as many instructions
+// between groups as in them), then added into the row's accumulator times the group's scale, in the order of the
+// groups. A row's sums do not depend on R or kSideBySide: each group's start from zero and add the same products in
+// the same order, and join the row's in the order of the groups. W: int8_t, or float for WidenedTile's widened
+// (unscaled) weights. Groups that are not a multiple of kLanes take Block's scaled registers, at every row count.
+// Measured on an AMD EPYC Zen 4 (2 cores) with the AVX2 library forced (XLA at AVX2; the default model's 121
+// products of the Q8_0 layout, 143 MB, as a chain of dependent calls under XLA, alternating processes, medians of
+// 3 x 9 calls, two rounds), against Block's scaled registers in passes of 8 rows: 1 row 5.9 / 6.2 -> 5.1 / 5.8 ms, 2
+// rows 7.7 / 6.5 -> 6.4 / 6.4, 4 rows 9.8 / 9.8 -> 12.1 / 8.8, 8 rows 35.9 / 35.5 -> 21.5 / 19.5 (Block's 8-row
+// pass spilled its registers), 16 rows 70.6 / 73.4 -> 35.4 / 35.1, 32 rows 75.0 / 82.2 -> 73.9 / 74.9; in cache
+// (2 layers) one row 5.3 -> 4.7 ms. One stream of the Q8_0 file in the engine, 4 requests of 96 tokens a process,
+// 3 rounds: int8 8.25 / 7.36 / 8.27 -> 6.77 / 7.46 / 6.99 ms a token, int8-bf16 8.82 / 7.87 / 8.01 -> 6.74 / 6.53
+// / 6.73.
+constexpr int kGroupSumRows = 4;
 template <typename W, typename S, int R>
-void Rows(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
+void GroupSums(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
+  static_assert(R <= kGroupSumRows);
+  constexpr int kSideBySide = R == 1 ? 8 : R == 2 ? 4 : 2;
+  const int64_t K = p.K, G = p.G, groups = K / G;
+  const float* x = p.x + m0 * K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* w = static_cast<const W*>(p.w) + n * K;
+    const S* scales = static_cast<const S*>(p.scales) + n * groups;
+    const char* ahead = reinterpret_cast<const char*>(w + K);  // the next channel's weights, prefetched as Block does
+    VF acc[R] = {};
+    auto run = [&](int64_t g, auto side_by_side) {  // groups [g, g + side_by_side)
+      constexpr int kGroups = decltype(side_by_side)::value;
+      if constexpr (sizeof(W) < 4) {  // int8 weights from memory (not WidenedTile's, in cache)
+        for (int64_t b = 0; b < kGroups * G; b += 64) __builtin_prefetch(ahead + b, 0, 3);
+        ahead += kGroups * G;
+      }
+      float s[kGroups];
+#pragma GCC unroll 8
+      for (int i = 0; i < kGroups; ++i) s[i] = Scale(scales + g + i);
+      VF sums[R][kGroups];
+#pragma GCC unroll 8
+      for (int i = 0; i < kGroups; ++i)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) sums[r][i] = VF{};
+      for (int64_t k = 0; k < G; k += kLanes)
+#pragma GCC unroll 8
+        for (int i = 0; i < kGroups; ++i) {
+          const VF wv = Widen(w + (g + i) * G + k);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) sums[r][i] += wv * LoadF(x + r * K + (g + i) * G + k);
+        }
+#pragma GCC unroll 8
+      for (int i = 0; i < kGroups; ++i)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[r] += sums[r][i] * s[i];
+    };
+    int64_t g = 0;
+    for (; g + kSideBySide <= groups; g += kSideBySide) run(g, std::integral_constant<int, kSideBySide>{});
+    for (; g < groups; ++g) run(g, std::integral_constant<int, 1>{});
+    for (int r = 0; r < R; ++r) p.y[(m0 + r) * p.N + n] = AddLanes(acc[r]);
+  }
+}
+
+// Rows [m0, m0 + R) by the channels [n0, n1) in Blocks: NO at a time (8 accumulators or more: kWideChannels; one
+// row: kOneRowChannels), the rest one by one (every channel one by one where ReadsChannelAtATime).
+template <typename W, typename S, int R, bool kPerChannel>
+void Channels(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
   constexpr int NO = R >= 8 ? 1 : R >= 4 ? kWideChannels : R >= 2 ? 4 : kOneRowChannels<W>;
   int64_t n = n0;
   if (!(R == 1 && kChannelAtATimeKinds<W> && ReadsChannelAtATime()))
-    for (; n + NO <= n1; n += NO) AnyBlock<W, S, R, NO>(p, m0, n);
-  for (; n < n1; ++n) AnyBlock<W, S, R, 1>(p, m0, n);
+    for (; n + NO <= n1; n += NO) AnyBlock<W, S, R, NO, kPerChannel>(p, m0, n);
+  for (; n < n1; ++n) AnyBlock<W, S, R, 1, kPerChannel>(p, m0, n);
 }
 
-// Rows [m0, m1) by channels [n0, n1), kPassRows rows a pass over the channels.
+// Rows [m0, m0 + R) by the channels [n0, n1): grouped int8 weights in the builds that scale a group's sums
+// (kScalesAfterGroups) in GroupSums, the rest in Blocks (Channels; per-channel scales: kPerChannel).
+template <typename W, typename S, int R>
+void Rows(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
+  constexpr bool kScaled = !std::is_same_v<S, NoScale>;
+  if constexpr (kScaled && kScalesAfterGroups && R <= kGroupSumRows)
+    if (p.G < p.K && p.G % kLanes == 0) return GroupSums<W, S, R>(p, m0, n0, n1);
+  if constexpr (kScaled)
+    if (p.G == p.K) return Channels<W, S, R, true>(p, m0, n0, n1);
+  Channels<W, S, R, false>(p, m0, n0, n1);
+}
+
+// Rows [m0, m1) by channels [n0, n1), kPassRows rows a pass over the channels (int8 weights where a group's sums
+// are scaled: kGroupSumRows, GroupSums' most).
 template <typename W, typename S>
 void Passes(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  for (int64_t m = m0; m < m1; m += kPassRows) {
-    switch (std::min<int64_t>(kPassRows, m1 - m)) {
+  constexpr int64_t rows = !std::is_same_v<S, NoScale> && kScalesAfterGroups ? kGroupSumRows : kPassRows;
+  for (int64_t m = m0; m < m1; m += rows) {
+    switch (std::min<int64_t>(rows, m1 - m)) {
       case 1: Rows<W, S, 1>(p, m, n0, n1); break;
       case 2: Rows<W, S, 2>(p, m, n0, n1); break;
       case 3: Rows<W, S, 3>(p, m, n0, n1); break;
@@ -519,8 +618,10 @@ void Passes(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
 // where Block<int8_t, S> would widen and scale them again in every pass, a group (Q8_0: 32 weights, two registers) at a
 // time. The sums are Block<int8_t, S>'s, bit for bit: each float32 weight is the value Block<int8_t, S> multiplies x by
 // (Widen, then times its group's scale), and a row's products are added in the same order, a group's kLanes-wide steps
-// one after another. Measured on an AMD EPYC Zen 4 (2 cores; kernel alone, 30-layer stacks, the old and new library
-// alternating in one process, 5 rounds, medians): Q8_0 [576 x 3072] 948 -> 869 us at 32 rows, 491 -> 490 at 16; Q8_0
+// one after another. In the builds that scale a group's sums (kScalesAfterGroups) the scratch holds the widened weights
+// unscaled, and GroupSums<float, S> multiplies them with their scales, as GroupSums<int8_t, S> would. Measured on an
+// AMD EPYC Zen 4 (2 cores; kernel alone, 30-layer stacks, the old and new library alternating in one process, 5
+// rounds, medians; the AVX-512 library): Q8_0 [576 x 3072] 948 -> 869 us at 32 rows, 491 -> 490 at 16; Q8_0
 // [1536 x 576] 472 -> 418 at 32, 251 -> 239 at 16; per-channel scales [576 x 3072] even at 32 rows and 1.03-1.06x
 // slower at 16, and 8 rows (guided, bound by reading the weights) 1.2x slower, so those keep Block's widening in
 // registers. In the engine, 24 requests of the Q8_0 file at once: 233 -> 237 tokens/s (0.98-1.10x by round).
@@ -544,16 +645,21 @@ void WidenedTile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n
       for (int64_t k = g * G; k < (g + 1) * G; k += kLanes) {  // G is a multiple of kLanes (Tile checks)
         __builtin_prefetch(ahead + 2048, 0, 3);  // the weights come from memory: 2 KB ahead, every register
         ahead += kLanes;
-        VF wv = Widen(w + c * K + k) * s;
+        VF wv = Widen(w + c * K + k);
+        if constexpr (!kScalesAfterGroups) wv *= s;
         std::memcpy(out + k, &wv, sizeof wv);
       }
     }
   }
   Problem widened = p;
   widened.w = scratch.data();
+  widened.y = p.y + n0;  // rows keep y's stride (N); channel c of the scratch is y's column n0 + c
+  if constexpr (kScalesAfterGroups) {  // widened, not scaled: GroupSums scales their sums
+    widened.scales = static_cast<const S*>(p.scales) + n0 * groups;
+    return Passes<float, S>(widened, m0, m1, 0, channels);
+  }
   widened.scales = nullptr;
   widened.G = K;
-  widened.y = p.y + n0;  // rows keep y's stride (N); channel c of the scratch is y's column n0 + c
   Passes<float, NoScale>(widened, m0, m1, 0, channels);
 }
 
