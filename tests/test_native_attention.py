@@ -341,6 +341,28 @@ def kernels_not_built(monkeypatch):
         cached.cache_clear()
 
 
+@needs_native
+def test_the_environment_can_name_a_lesser_variant(monkeypatch):
+    """JPAGED_NATIVE_VARIANT caps the variants used (the AVX2 code paths benchmarked on an AVX-512 CPU); a name
+    that is no variant is an error that says what to set."""
+    built = native.available_variants()
+    try:
+        for best in native.VARIANTS:
+            monkeypatch.setenv(native.VARIANT_ENV, best)
+            native.available_variants.cache_clear()
+            assert native.available_variants() == tuple(v for v in built if native.VARIANTS.index(v) >=
+                                                         native.VARIANTS.index(best))
+        monkeypatch.setenv(native.VARIANT_ENV, "avx3")
+        native.available_variants.cache_clear()
+        with pytest.raises(ValueError, match="JPAGED_NATIVE_VARIANT='avx3' is no native variant: set it to one of "
+                                             "avx512, avx2, portable"):
+            native.available_variants()
+    finally:
+        monkeypatch.undo()
+        native.available_variants.cache_clear()
+    assert native.available_variants() == built
+
+
 def test_without_the_kernels_auto_falls_back_to_xla_in_one_line(kernels_not_built, caplog):
     with caplog.at_level(logging.WARNING, logger="jpaged"):
         backend = attention.get_backend("auto")

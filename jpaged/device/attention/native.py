@@ -14,8 +14,9 @@ soft-capping is a static attribute (0: none).
 Builds. `pip install` compiles the kernel three times (setup.py): `avx512`, `avx2` (with FMA and
 F16C) and `portable` (the compiler's baseline), each a shared library beside this module. At run
 time the portable library says which of the others this CPU can run (`available_variants`), and
-the best is registered with `jax.ffi.register_ffi_target`. A machine without a compiler installs
-without them; `get_backend('auto')` then falls back to the XLA path and logs one line saying so.
+the best is registered with `jax.ffi.register_ffi_target` (or the best up to the one the environment's
+JPAGED_NATIVE_VARIANT names). A machine without a compiler installs without them; `get_backend('auto')`
+then falls back to the XLA path and logs one line saying so.
 
 The same libraries hold the few-row weight matmuls (`csrc/int8_matmul.cc`: `int8_matmul_target` for int8
 weights with scales, and `float_rows_matmul_target` for float rows: bfloat16, float16 or float32 weights
@@ -46,6 +47,7 @@ import numpy as np
 from jpaged.device.attention.xla import FULL_WINDOW, storage_dtype, to_pool, xla_copy_blocks, xla_write_kv
 
 VARIANTS = ("avx512", "avx2", "portable")  # best first
+VARIANT_ENV = "JPAGED_NATIVE_VARIANT"  # the best variant to use, where set (`available_variants`)
 _HANDLER = "JpagedPagedAttention"
 _WRITE_HANDLER = "JpagedPagedAttentionWrite"  # the cache write, then the attention
 _INT8_HANDLER = "JpagedInt8Matmul"  # csrc/int8_matmul.cc
@@ -78,14 +80,20 @@ class NativeUnavailable(RuntimeError):
 
 @functools.cache
 def available_variants() -> tuple[str, ...]:
-    """The variants built and runnable on this CPU, best first (empty when none was built)."""
+    """The variants built and runnable on this CPU, best first (empty when none was built); none better than
+    `VARIANT_ENV` names where it is set (to run a CPU's lesser code paths, as a benchmark of an AVX2-only
+    machine on an AVX-512 one does; XLA's own are capped by XLA_FLAGS=--xla_cpu_max_isa)."""
+    best = os.environ.get(VARIANT_ENV) or VARIANTS[0]
+    if best not in VARIANTS:
+        raise ValueError(f"{VARIANT_ENV}={best!r} is no native variant: set it to one of {', '.join(VARIANTS)} "
+                         "(or unset it for the best this CPU runs)")
     try:
         portable = _library("portable")
     except (NativeUnavailable, OSError):
         return ()
     can_run = portable.JpagedCpuCanRun
     can_run.argtypes, can_run.restype = [ctypes.c_char_p], ctypes.c_int
-    return tuple(v for v in VARIANTS if library_path(v) is not None and can_run(v.encode()))
+    return tuple(v for v in VARIANTS[VARIANTS.index(best):] if library_path(v) is not None and can_run(v.encode()))
 
 
 @functools.cache
