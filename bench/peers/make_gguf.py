@@ -36,13 +36,14 @@ DEFAULT_OUT = ROOT / "checkpoints" / "smollm2-gguf"
 HF_DIR = ROOT / "checkpoints" / "smollm2-hf"
 
 
-def llama_cpp_dir(given: str | None = None) -> Path:
+def llama_cpp_dir(given: str | None = None, isa: str = "native") -> Path:
     """The llama.cpp build folder: `given`, else what bench/peers/build_llama_cpp.sh prints (it builds
-    when needed, and skips when built)."""
+    when needed, and skips when built) for `isa` (native: -march=native; avx2: AVX2 alone)."""
     if given:
         path = Path(given)
     else:
-        done = subprocess.run(["bash", str(PEERS / "build_llama_cpp.sh")], stdout=subprocess.PIPE, text=True)
+        done = subprocess.run(["bash", str(PEERS / "build_llama_cpp.sh")], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "LLAMA_CPP_ISA": isa})
         if done.returncode:
             raise SystemExit(f"bench/peers/build_llama_cpp.sh failed (exit {done.returncode})")
         path = Path(done.stdout.strip().splitlines()[-1])
