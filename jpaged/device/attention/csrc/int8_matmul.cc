@@ -135,6 +135,7 @@ constexpr int64_t kMinRunChannels = 32;
 // the Q8_0 file served, 9.2 -> 7.4 ms a token (llama.cpp 7.0-7.3, the same machine, alternating).
 constexpr int64_t kInt8SoloMaxRows = 2;
 
+#if defined(__AVX2__)  // (the AVX-512 build defines it too) the builds that ask: SplitsWideVectors, ReadsChannelAtATime
 // Whether this CPU is AMD family 19h (Zen 3 and Zen 4). Read once, from CPUID.
 bool AmdFamily19h() {
 #if defined(__x86_64__)
@@ -151,16 +152,13 @@ bool AmdFamily19h() {
   return false;
 #endif
 }
+#endif
 
+#if defined(__AVX512F__)
 // Whether this CPU runs 512-bit vector operations as two 256-bit halves: AMD family 19h (only Zen 4 has
 // AVX-512, so only the AVX-512 build asks).
-bool SplitsWideVectors() {
-#if defined(__AVX512F__)
-  return AmdFamily19h();
-#else
-  return false;
+bool SplitsWideVectors() { return AmdFamily19h(); }
 #endif
-}
 
 // The most rows of an int8 product that run on the calling thread alone, on this CPU (kInt8SoloMaxRows): none
 // in the builds without AVX-512, whose registers widen 8 weights at a time, half of AVX-512's, so that one
