@@ -210,6 +210,25 @@ def use_compile_cache(args) -> None:
         enable_compile_cache(args.compile_cache)
 
 
+ISAS = ("native", "avx2")
+
+
+def add_isa_argument(parser) -> None:
+    parser.add_argument("--isa", default="native", choices=ISAS,
+                        help="native: each engine's best code for this CPU; avx2: jpaged and llama.cpp on their AVX2 "
+                             "code paths, as on a CPU without AVX-512 (isa_env; llama.cpp built for AVX2 alone)")
+
+
+def isa_env(isa: str) -> dict:
+    """The environment that puts jpaged on `isa`'s code paths: nothing for native; for avx2 its AVX2 native
+    library (JPAGED_NATIVE_VARIANT) and XLA's own code at AVX2 (XLA_FLAGS, replacing any set)."""
+    if isa == "native":
+        return {}
+    from jpaged.device.attention.native import VARIANT_ENV
+
+    return {VARIANT_ENV: "avx2", "XLA_FLAGS": "--xla_cpu_max_isa=AVX2"}
+
+
 def bench_parser(description: str, quick_help: str):
     """The arguments every engine benchmark shares: --quick, --out, --seed, --compile-cache."""
     import argparse

@@ -60,13 +60,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from bench.peers import common as peer_common  # noqa: E402
 from bench.peers import make_gguf  # noqa: E402
-from jpaged.device.attention.native import VARIANT_ENV  # noqa: E402
 from bench.serve_load import MODEL, SHORT_MAX_TOKENS, closed_loop, compact, jpaged_metrics, warm_up_line  # noqa: E402
 
 ROOT = common.REPO_ROOT
 WIDTHS = make_gguf.JPAGED_WIDTHS
-# jpaged serve's environment by --isa: avx2 caps its native kernels and XLA's code at AVX2
-ISA_ENV = {"native": {}, "avx2": {VARIANT_ENV: "avx2", "XLA_FLAGS": "--xla_cpu_max_isa=AVX2"}}
 ENGINES = ("jpaged", "llama.cpp")
 COLORS = {"jpaged": "tab:blue", "llama.cpp": "tab:orange"}
 
@@ -117,7 +114,7 @@ def run_width(width: str, prompts: list[list[int]], primer: list[list[int]], ggu
                                                     ctx_per_slot, args.threads))
             log_path = log_dir / f"{engine}-{width}.log"
             print(f"--- {engine} {width}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-            env = {"OMP_WAIT_POLICY": args.llama_omp_wait_policy} if engine == "llama.cpp" else ISA_ENV[args.isa]
+            env = {"OMP_WAIT_POLICY": args.llama_omp_wait_policy} if engine == "llama.cpp" else common.isa_env(args.isa)
             bases[engine], startup_s, groups[engine] = stack.enter_context(
                 peer_common.serving(cmd, port, str(log_path), env, cwd=str(ROOT)))
             server = {"command": cmd, "startup_s": startup_s}
@@ -242,8 +239,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--async-scheduling", action="store_true",
                     help="jpaged serve --async-scheduling (its default): the host overlapped with the device "
                     "(`latency_async*`); without it, jpaged serve --no-async-scheduling")
-    ap.add_argument("--isa", default="native", choices=tuple(ISA_ENV),
-                    help="native: each engine's best code for this CPU; avx2: both on their AVX2 code paths")
+    common.add_isa_argument(ap)
     ap.add_argument("--llama-cpp-dir", default=None,
                     help="llama.cpp build folder (default: build_llama_cpp.sh's for --isa)")
     ap.add_argument("--gguf-dir", type=Path, default=make_gguf.DEFAULT_OUT)
@@ -270,7 +266,7 @@ def main(argv=None) -> dict:
     _, ids, _ = load_requests()
     short = [p for p in ids if len(p) <= SHORT_MAX_TOKENS]
     prompts, primer = short[:max(args.concurrency)], short[-max(args.concurrency):]
-    os.environ.update(ISA_ENV[args.isa])  # the record's `native` entry (machine_info) is then jpaged serve's
+    os.environ.update(common.isa_env(args.isa))  # the record's `native` entry (machine_info) is then jpaged serve's
     lcpp = make_gguf.llama_cpp_dir(args.llama_cpp_dir, args.isa)
     ggufs = make_gguf.ensure(args.gguf_dir, str(lcpp), verify=False)
     has_quantization = "--quantization" in jpaged_serve_flags()
@@ -279,7 +275,7 @@ def main(argv=None) -> dict:
            "config": {"quick": args.quick, "rounds": args.rounds, "max_tokens": args.max_tokens,
                       "concurrency": args.concurrency, "threads": args.threads, "widths": args.widths,
                       "llama_omp_wait_policy": args.llama_omp_wait_policy, "async_scheduling": args.async_scheduling,
-                      "isa": args.isa, "jpaged_env": ISA_ENV[args.isa],
+                      "isa": args.isa, "jpaged_env": common.isa_env(args.isa),
                       "prompt_tokens": [len(p) for p in prompts],
                       "workload": "C clients, one streamed /v1/completions request each, all at once; prompt token "
                                   "ids, greedy, ignore_eos; ms/token = (last token - first token) / (tokens - 1)"},

@@ -27,6 +27,7 @@ What each one's timing excludes (model load, compilation, warm-up) is written in
     python bench/vs_peers.py --peers hf,vllm --out bench/results
     python bench/vs_peers.py --peers jpaged,jpaged-xla,vllm --num-requests 120 --rounds 3   # 31 min
     python bench/vs_peers.py --peers llama.cpp --jpaged-dtype bfloat16 --num-requests 120 --llama-cpp-slots 8,16,32
+    python bench/vs_peers.py --isa avx2 --peers jpaged,llama.cpp --num-requests 120   # both on their AVX2 paths
 
 Writes `<out>/vs_peers.json` and `<out>/vs_peers.png` (`--quick` writes `vs_peers_quick.*`).
 HF static batching: a batch's cost does not depend on the batches after it, so the HF figures for
@@ -51,6 +52,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.peers.common import versions as peer_versions  # noqa: E402  (stdlib only: shared with the peer venvs)
 from bench.common import cpu_info as machine_info  # noqa: E402  (the CPU: model, ISA, AMX)
+from bench.common import add_isa_argument, isa_env  # noqa: E402
 from bench.common import native_info  # noqa: E402
 from bench.peers import make_gguf  # noqa: E402
 from bench.traces import ALPACA_SEED_PROMPTS, load_alpaca_prompts  # noqa: E402
@@ -319,6 +321,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--llama-cpp-dir", default=None, help="llama.cpp build folder (default: build_llama_cpp.sh's)")
     ap.add_argument("--jpaged-engine-args", default="", help="JSON of extra jpaged EngineConfig fields, e.g. "
                                                               "'{\"max_num_batched_tokens\": 2048}'")
+    add_isa_argument(ap)  # vLLM and HF keep their own code for this CPU
     ap.add_argument("--vllm-dtypes", default="float32,bfloat16")
     ap.add_argument("--vllm-kv-cache-gib", type=int, default=1,
                     help="VLLM_CPU_KVCACHE_SPACE (GiB); 1 = jpaged's default kv_cache_memory")
@@ -351,10 +354,11 @@ def main(argv=None) -> dict:
                             reverse=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "vs_peers_quick" if args.quick else "vs_peers"
+    stem = ("vs_peers_quick" if args.quick else "vs_peers") + ("_avx2" if args.isa == "avx2" else "")
 
     reuse = {x for x in args.reuse.split(",") if x}
     started = time.time()
+    os.environ.update(isa_env(args.isa))  # jpaged's workers (and the record's native entry) on --isa's code paths
     machine = {**machine_info(), "native": native_info()}  # the CPU, and jpaged's native kernels' variant
     prompts, prompt_ids, tokenizer = load_requests()
     if max(num_requests) > len(prompts):
@@ -371,6 +375,7 @@ def main(argv=None) -> dict:
         jpaged_args = {"engine_args": {**jpaged_args.get("engine_args", {}), "model": str(q8), "quantization": "int8"}}
         jpaged_dtype = make_gguf.INT8_DTYPES[jpaged_dtype]
     settings_extra = {"jpaged_engine_args": jpaged_args.get("engine_args", {}), "jpaged_dtype": args.jpaged_dtype,
+                      "isa": args.isa, "jpaged_env": isa_env(args.isa),
                       "llama_cpp_slots": args.llama_cpp_slots, "vllm_omp_bind": args.vllm_omp_bind,
                       "vllm_kv_cache_space_gib": args.vllm_kv_cache_gib, "vllm_prefix_caching": args.vllm_prefix_caching,
                       "hf_batch_sizes": hf_batch_sizes, "hf_b1_requests": args.hf_b1_requests, "reused": sorted(reuse)}
@@ -450,7 +455,7 @@ def main(argv=None) -> dict:
         llama_width = make_gguf.JPAGED_WIDTHS[args.jpaged_dtype]
         if "llama.cpp" in peers:
             try:  # builds llama.cpp and writes the GGUFs on first use (minutes)
-                lcpp = make_gguf.llama_cpp_dir(args.llama_cpp_dir)
+                lcpp = make_gguf.llama_cpp_dir(args.llama_cpp_dir, args.isa)
                 llama_gguf = make_gguf.ensure(llama_dir=str(lcpp), verify=False)[llama_width]
             except (SystemExit, subprocess.CalledProcessError) as e:
                 print(f"--- llama.cpp skipped: {e}", file=sys.stderr)
