@@ -87,20 +87,21 @@ def test_int8_computing_in_bfloat16_rounds_the_activations():
         assert np.abs(got - unrounded).max() > 1e-4 * scale
 
 
-@pytest.mark.parametrize("group", [32, 160])
+@pytest.mark.parametrize("group", [32, 288])
 def test_int8_rows_do_not_depend_on_the_threads_or_the_row_count(group):
     """One or two rows run on the calling thread alone (in the AVX-512 library off AMD Zen 4:
     `native.int8_solo_max_rows`), more rows split their output channels between threads (`kInt8SoloMaxRows` in
     csrc/int8_matmul.cc), more than 16 rows of grouped scales multiply weights widened once into a float32
     scratch (`WidenedTile`) where fewer widen them in registers, and the builds without AVX-512 sum each group
-    unscaled (`kScalesAfterGroups`), one row of grouped scales in a loop of its own (`OneRowGroupSums`): in every
+    unscaled (`kScalesAfterGroups`: `GroupSums`, 8, 4 or 2 groups side by side by the rows of a pass): in every
     library built here, a row's product is the same bits at every row count up to NATIVE_MAX_ROWS, and matches
     the float64 reference, over enough channels for many work items (and a last one of fewer channels), with
-    Q8_0's groups of 32 (5 a channel: a loop's 4 and one more) and per-channel scales."""
+    Q8_0's groups of 32 (9 a channel: one more than the side-by-side groups of every pass) and per-channel
+    scales."""
     if not native.available_variants():
         pytest.skip("native kernels not built here")
     rng = np.random.default_rng(3)
-    n, k = 700, 160
+    n, k = 700, 288
     values = rng.integers(-127, 128, (n, k)).astype(np.int8)
     scales = (rng.random((n, k // group)) * 0.02 + 0.001).astype(np.float16)
     x = rng.standard_normal((NATIVE_MAX_ROWS, k)).astype(np.float32)
