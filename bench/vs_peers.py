@@ -318,7 +318,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "that file; int8-bf16: the same at dtype bfloat16, the int8 products computing in bfloat16, "
                     "a bfloat16 KV cache)")
     ap.add_argument("--llama-cpp-slots", default="8,16,32", help="llama-server slot counts (one server each)")
-    ap.add_argument("--llama-cpp-dir", default=None, help="llama.cpp build folder (default: build_llama_cpp.sh's)")
+    ap.add_argument("--llama-cpp-dir", default=None,
+                    help="llama.cpp build folder (default: build_llama_cpp.sh's for --isa)")
     ap.add_argument("--jpaged-engine-args", default="", help="JSON of extra jpaged EngineConfig fields, e.g. "
                                                               "'{\"max_num_batched_tokens\": 2048}'")
     add_isa_argument(ap)  # vLLM and HF keep their own code for this CPU
