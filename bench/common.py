@@ -220,13 +220,38 @@ def add_isa_argument(parser) -> None:
 
 
 def isa_env(isa: str) -> dict:
-    """The environment that puts jpaged on `isa`'s code paths: nothing for native; for avx2 its AVX2 native
-    library (JPAGED_NATIVE_VARIANT) and XLA's own code at AVX2 (XLA_FLAGS, replacing any set)."""
+    """The environment that puts jpaged's processes on `isa`'s code paths: nothing for native; for avx2, as on
+    a CPU without AVX-512: jpaged's AVX2 native library (JPAGED_NATIVE_VARIANT), XLA's own code at AVX2
+    (XLA_FLAGS, replacing any set), YNNPACK's AVX2 kernels for XLA's large dots (bench/avx2_only's startup hook,
+    on PYTHONPATH: XLA_FLAGS does not cap the libraries XLA calls), and glibc's (glibc_env)."""
     if isa == "native":
         return {}
     from jpaged.device.attention.native import VARIANT_ENV
 
-    return {VARIANT_ENV: "avx2", "XLA_FLAGS": "--xla_cpu_max_isa=AVX2"}
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    hook = str(Path(__file__).resolve().parent / "avx2_only")
+    return {VARIANT_ENV: "avx2", "XLA_FLAGS": "--xla_cpu_max_isa=AVX2",
+            "PYTHONPATH": os.pathsep.join([hook] + [p for p in paths if p != hook]), **glibc_env(isa)}
+
+
+def glibc_env(isa: str) -> dict:
+    """The environment that keeps glibc's string functions (memcpy, memset, ...) of any process on `isa`'s code
+    paths: for avx2, its AVX-512 variants masked (GLIBC_TUNABLES); for llama.cpp's server as for jpaged."""
+    if isa == "native":
+        return {}
+    return {"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F,-AVX512VL,-AVX512BW,-AVX512DQ,-AVX512CD"}
+
+
+@contextlib.contextmanager
+def environ(env: dict):
+    """os.environ with `env` set inside the block, as it was after it."""
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def bench_parser(description: str, quick_help: str):

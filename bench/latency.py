@@ -114,7 +114,8 @@ def run_width(width: str, prompts: list[list[int]], primer: list[list[int]], ggu
                                                     ctx_per_slot, args.threads))
             log_path = log_dir / f"{engine}-{width}.log"
             print(f"--- {engine} {width}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-            env = {"OMP_WAIT_POLICY": args.llama_omp_wait_policy} if engine == "llama.cpp" else common.isa_env(args.isa)
+            env = ({"OMP_WAIT_POLICY": args.llama_omp_wait_policy, **common.glibc_env(args.isa)}
+                   if engine == "llama.cpp" else common.isa_env(args.isa))
             bases[engine], startup_s, groups[engine] = stack.enter_context(
                 peer_common.serving(cmd, port, str(log_path), env, cwd=str(ROOT)))
             server = {"command": cmd, "startup_s": startup_s}
@@ -266,16 +267,18 @@ def main(argv=None) -> dict:
     _, ids, _ = load_requests()
     short = [p for p in ids if len(p) <= SHORT_MAX_TOKENS]
     prompts, primer = short[:max(args.concurrency)], short[-max(args.concurrency):]
-    os.environ.update(common.isa_env(args.isa))  # the record's `native` entry (machine_info) is then jpaged serve's
     lcpp = make_gguf.llama_cpp_dir(args.llama_cpp_dir, args.isa)
     ggufs = make_gguf.ensure(args.gguf_dir, str(lcpp), verify=False)
     has_quantization = "--quantization" in jpaged_serve_flags()
-    out = {"benchmark": "latency", "machine": common.machine_info(common.PACKAGES + ("openai",)),
+    with common.environ(common.isa_env(args.isa)):  # the record's `native` entry is then jpaged serve's
+        machine = common.machine_info(common.PACKAGES + ("openai",))
+    out = {"benchmark": "latency", "machine": machine,
            "llama_cpp": {"dir": str(lcpp), "build_info": peer_common.llama_build_info(str(lcpp))},
            "config": {"quick": args.quick, "rounds": args.rounds, "max_tokens": args.max_tokens,
                       "concurrency": args.concurrency, "threads": args.threads, "widths": args.widths,
                       "llama_omp_wait_policy": args.llama_omp_wait_policy, "async_scheduling": args.async_scheduling,
                       "isa": args.isa, "jpaged_env": common.isa_env(args.isa),
+                      "llama_cpp_env": common.glibc_env(args.isa),
                       "prompt_tokens": [len(p) for p in prompts],
                       "workload": "C clients, one streamed /v1/completions request each, all at once; prompt token "
                                   "ids, greedy, ignore_eos; ms/token = (last token - first token) / (tokens - 1)"},

@@ -52,7 +52,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.peers.common import versions as peer_versions  # noqa: E402  (stdlib only: shared with the peer venvs)
 from bench.common import cpu_info as machine_info  # noqa: E402  (the CPU: model, ISA, AMX)
-from bench.common import add_isa_argument, isa_env  # noqa: E402
+from bench.common import add_isa_argument, environ, glibc_env, isa_env  # noqa: E402
 from bench.common import native_info  # noqa: E402
 from bench.peers import make_gguf  # noqa: E402
 from bench.traces import ALPACA_SEED_PROMPTS, load_alpaca_prompts  # noqa: E402
@@ -359,8 +359,9 @@ def main(argv=None) -> dict:
 
     reuse = {x for x in args.reuse.split(",") if x}
     started = time.time()
-    os.environ.update(isa_env(args.isa))  # jpaged's workers (and the record's native entry) on --isa's code paths
-    machine = {**machine_info(), "native": native_info()}  # the CPU, and jpaged's native kernels' variant
+    jpaged_env = isa_env(args.isa)  # jpaged's workers on --isa's code paths (llama.cpp's: glibc_env)
+    with environ(jpaged_env):  # the CPU, and the native kernels' variant jpaged's workers run
+        machine = {**machine_info(), "native": native_info()}
     prompts, prompt_ids, tokenizer = load_requests()
     if max(num_requests) > len(prompts):
         raise SystemExit(f"only {len(prompts)} prompts")
@@ -376,7 +377,7 @@ def main(argv=None) -> dict:
         jpaged_args = {"engine_args": {**jpaged_args.get("engine_args", {}), "model": str(q8), "quantization": "int8"}}
         jpaged_dtype = make_gguf.INT8_DTYPES[jpaged_dtype]
     settings_extra = {"jpaged_engine_args": jpaged_args.get("engine_args", {}), "jpaged_dtype": args.jpaged_dtype,
-                      "isa": args.isa, "jpaged_env": isa_env(args.isa),
+                      "isa": args.isa, "jpaged_env": jpaged_env, "llama_cpp_env": glibc_env(args.isa),
                       "llama_cpp_slots": args.llama_cpp_slots, "vllm_omp_bind": args.vllm_omp_bind,
                       "vllm_kv_cache_space_gib": args.vllm_kv_cache_gib, "vllm_prefix_caching": args.vllm_prefix_caching,
                       "hf_batch_sizes": hf_batch_sizes, "hf_b1_requests": args.hf_b1_requests, "reused": sorted(reuse)}
@@ -465,13 +466,14 @@ def main(argv=None) -> dict:
             if args.rounds > 1:
                 print(f"=== round {k + 1} of {args.rounds}", file=sys.stderr, flush=True)
             results["jpaged"] = run("jpaged", sys.executable, "jpaged_peer.py",
-                                    {**base, "dtype": jpaged_dtype, "kv_cache_memory": "1GiB", **jpaged_args}, k)
+                                    {**base, "dtype": jpaged_dtype, "kv_cache_memory": "1GiB", **jpaged_args}, k,
+                                    env=jpaged_env)
             write_report()
             if "jpaged-xla" in peers:  # the same engine with attention on the XLA path: what the native kernel moved
                 xla_args = {**jpaged_args.get("engine_args", {}), "attention_backend": "xla"}
                 results["jpaged-xla"] = run("jpaged-xla", sys.executable, "jpaged_peer.py",
                                             {**base, "dtype": jpaged_dtype, "kv_cache_memory": "1GiB",
-                                             "engine_args": xla_args}, k)
+                                             "engine_args": xla_args}, k, env=jpaged_env)
                 write_report()
             if "vllm" in peers and "vllm" not in once:
                 bind = f"0-{(os.cpu_count() or 1) - 1}" if args.vllm_omp_bind == "all" else args.vllm_omp_bind
@@ -488,7 +490,7 @@ def main(argv=None) -> dict:
                 spec = {**base, "llama_cpp_dir": str(lcpp), "gguf": str(llama_gguf), "width": llama_width,
                         "slot_counts": [int(x) for x in args.llama_cpp_slots.split(",")]}
                 results[f"llama.cpp-{llama_width}"] = run(f"llama.cpp-{llama_width}", sys.executable,
-                                                          "llama_cpp_peer.py", spec, k)
+                                                          "llama_cpp_peer.py", spec, k, env=glibc_env(args.isa))
                 write_report()
         if "hf" in peers:
             # runs only the largest n; smaller n are the leading batches of that run (see module docstring)
