@@ -524,6 +524,10 @@ bool ReadsChannelAtATime() {  // the AVX-512 build (which has AVX2 too) and the 
 // 3 rounds: int8 8.25 / 7.36 / 8.27 -> 6.77 / 7.46 / 6.99 ms a token, int8-bf16 8.82 / 7.87 / 8.01 -> 6.74 / 6.53
 // / 6.73.
 constexpr int kGroupSumRows = 4;
+// Whether int8 weights with scales S run in passes of kGroupSumRows rows (Passes) and grouped ones take GroupSums
+// (Rows): in the builds that scale a group's sums.
+template <typename S>
+constexpr bool kGroupSums = !std::is_same_v<S, NoScale> && kScalesAfterGroups;
 template <typename W, typename S, int R>
 void GroupSums(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
   static_assert(R <= kGroupSumRows);
@@ -583,10 +587,9 @@ void Channels(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
 // (kScalesAfterGroups) in GroupSums, the rest in Blocks (Channels; per-channel scales: kPerChannel).
 template <typename W, typename S, int R>
 void Rows(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
-  constexpr bool kScaled = !std::is_same_v<S, NoScale>;
-  if constexpr (kScaled && kScalesAfterGroups && R <= kGroupSumRows)
+  if constexpr (kGroupSums<S> && R <= kGroupSumRows)
     if (p.G < p.K && p.G % kLanes == 0) return GroupSums<W, S, R>(p, m0, n0, n1);
-  if constexpr (kScaled)
+  if constexpr (!std::is_same_v<S, NoScale>)
     if (p.G == p.K) return Channels<W, S, R, true>(p, m0, n0, n1);
   Channels<W, S, R, false>(p, m0, n0, n1);
 }
@@ -595,7 +598,7 @@ void Rows(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
 // are scaled: kGroupSumRows, GroupSums' most).
 template <typename W, typename S>
 void Passes(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  constexpr int64_t rows = !std::is_same_v<S, NoScale> && kScalesAfterGroups ? kGroupSumRows : kPassRows;
+  constexpr int64_t rows = kGroupSums<S> ? kGroupSumRows : kPassRows;
   for (int64_t m = m0; m < m1; m += rows) {
     switch (std::min<int64_t>(rows, m1 - m)) {
       case 1: Rows<W, S, 1>(p, m, n0, n1); break;
@@ -639,7 +642,8 @@ void WidenedTile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n
   for (int64_t c = 0; c < channels; ++c) {
     float* out = scratch.data() + c * K;
     for (int64_t g = 0; g < groups; ++g) {
-      const float s = Scale(static_cast<const S*>(p.scales) + (n0 + c) * groups + g);
+      float s = 1.0f;  // the group's scale, where the scratch holds scaled weights
+      if constexpr (!kScalesAfterGroups) s = Scale(static_cast<const S*>(p.scales) + (n0 + c) * groups + g);
       for (int64_t k = g * G; k < (g + 1) * G; k += kLanes) {  // G is a multiple of kLanes (Tile checks)
         __builtin_prefetch(ahead + 2048, 0, 3);  // the weights come from memory: 2 KB ahead, every register
         ahead += kLanes;
