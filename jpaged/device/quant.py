@@ -36,6 +36,14 @@ items, `csrc/int8_matmul.cc`), it won up to 8 rows: the default model's decode s
 alternating the two). Once the kernel's passes took 4 rows by 6 channels (`kPassRows`), it won up to 32
 rows there: 16 requests 17.6 -> 14.4 ms a step, 32 requests 31.2 -> 21.0 (64: 45.6 -> 42.1, noisy, not
 taken): hence `DOT16_MAX_ROWS` = 32 there. CPUs without AVX512-BF16 were not measured again.
+Where the CPU has no bfloat16 dot instruction at all (no AMX-BF16, no AVX512-BF16: `widens_16bit`), XLA's
+bf16 x bf16 -> f32 dot widens the weights in its inner loop, and from `WIDEN16_MIN_ROWS` = 128 rows on both
+operands are widened to float32 first (exact: the same products, summed by XLA's float32 dot in its own order).
+Measured on an AMD EPYC Zen 4 (2 cores) on the AVX2 code paths (XLA at AVX2, YNNPACK's AVX2 kernels:
+bench/avx2_only), a 30-layer chain of XLA's products, bf16 -> widened, ms (three rounds each): [1536 x 576]
+at 64 rows 54-58 -> 57-64, 128 rows 148-168 -> 129-141, 512 rows 397-585 -> 241-421, 2048 rows 1010-1211 ->
+679-821; [576 x 1536] 64 rows 50-57 -> 56-63, 128 rows 152-153 -> 127-134, 512 rows 265-267 -> 168-201;
+a [4096 x 576] chunk of the LM head 64 rows 139 -> 146-149, 128 rows 225-238 -> 204-221.
 
 float32 rows (`float_rows` of a float32 weight; what `float_row_params` makes of float32 parameters, as the
 engine does on one CPU): `values` f32[*stack, out, in], `scales` None, `dtype` float32. Up to
@@ -135,6 +143,7 @@ NATIVE_MAX_ROWS = 32  # rows up to which the native kernel beats XLA's dequantiz
 NATIVE16_MAX_ROWS = 3  # rows up to which the native 16-bit kernel beats XLA's bf16 dot in a model (module docstring)
 DOT16_MAX_ROWS = 32  # the same where its bfloat16 products run on VDPBF16PS (`native.avx512_bf16()`)
 NATIVE32_MAX_ROWS = 32  # the same for float32 rows
+WIDEN16_MIN_ROWS = 128  # rows from which XLA's 16-bit products run in float32 where the CPU has no bf16 dot (`widens_16bit`)
 AMX_MAX_ROWS = 128  # the same where the native kernel runs on AMX tiles
 ROW_DTYPES = (jnp.bfloat16, jnp.float32)  # the float weights `float_rows` takes
 IN_AXES = {"embed": (1,), "lm_head": (0,), "wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": (0,),
@@ -341,6 +350,8 @@ def quantized_matmul(x, w: QuantizedWeight) -> jax.Array:
         # computes in bfloat16), contracting the rows' last axis; bf16 x bf16 -> f32 or f32's
         weights = (_bf16(sliced(w.values)) if w.is_float
                    else dequantize_rows(sliced(w.values), sliced(w.scales)).astype(w.dtype))
+        if rows.dtype == jnp.bfloat16 and rows.shape[0] >= WIDEN16_MIN_ROWS and widens_16bit():
+            rows, weights = rows.astype(jnp.float32), weights.astype(jnp.float32)  # exact: the same products
         y = jax.lax.dot_general(rows, weights, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return y.reshape(*_batch(x, w), *_out_shape(w))
 
@@ -431,6 +442,14 @@ def native16_max_rows() -> int:
     if _float_rows_target() is None:
         return 0
     return AMX_MAX_ROWS if native.amx_bf16() else DOT16_MAX_ROWS if native.avx512_bf16() else NATIVE16_MAX_ROWS
+
+
+def widens_16bit() -> bool:
+    """Whether XLA's products of 16-bit weights by at least `WIDEN16_MIN_ROWS` rows widen both operands to float32
+    here (module docstring): on a CPU where the native library finds no bfloat16 dot instruction (neither AMX-BF16
+    nor AVX512-BF16; its variant capped by JPAGED_NATIVE_VARIANT counts as the CPU). False where the native library
+    cannot run (nothing measured there)."""
+    return _float_rows_target() is not None and not native.amx_bf16() and not native.avx512_bf16()
 
 
 def _native_target():
