@@ -23,9 +23,9 @@ print(hex(sitecustomize.ynnpack_flags() or 0))
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_avx2_emulation_keeps_ynnpack_on_avx2_kernels():
-    run = subprocess.run([sys.executable, "-c", PROGRAM], env={**os.environ, **isa_env("avx2"), "JAX_PLATFORMS": "cpu"},
-                         cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=300)
+    env = {**os.environ, **isa_env("avx2"), "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", PROGRAM], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     if "nothing to cap" in run.stderr:
         pytest.skip("this jaxlib has no YNNPACK")

@@ -143,8 +143,8 @@ NATIVE_MAX_ROWS = 32  # rows up to which the native kernel beats XLA's dequantiz
 NATIVE16_MAX_ROWS = 3  # rows up to which the native 16-bit kernel beats XLA's bf16 dot in a model (module docstring)
 DOT16_MAX_ROWS = 32  # the same where its bfloat16 products run on VDPBF16PS (`native.avx512_bf16()`)
 NATIVE32_MAX_ROWS = 32  # the same for float32 rows
-WIDEN16_MIN_ROWS = 128  # rows from which XLA's 16-bit products run in float32 where the CPU has no bf16 dot (`widens_16bit`)
 AMX_MAX_ROWS = 128  # the same where the native kernel runs on AMX tiles
+WIDEN16_MIN_ROWS = 128  # rows from which XLA's 16-bit products run in float32 where `widens_16bit()`
 ROW_DTYPES = (jnp.bfloat16, jnp.float32)  # the float weights `float_rows` takes
 IN_AXES = {"embed": (1,), "lm_head": (0,), "wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": (0,),
            "w_up": (0,), "w_down": (0,)}  # the contracted logical axes of each dense leaf of params.py
