@@ -241,6 +241,21 @@ def test_float_rows_matmul_matches_float64(k, n):
     np.testing.assert_array_equal(np.asarray(take_rows(rows32.T, jnp.asarray([3, 0]))), w32[[3, 0]])
 
 
+@pytest.mark.parametrize("variants, bf16_dot, amx, rows", [
+    (("avx2", "portable"), False, False, quant.AVX2_16_MAX_ROWS),
+    (("avx512", "avx2", "portable"), False, False, NATIVE16_MAX_ROWS),
+    (("avx512", "avx2", "portable"), True, False, quant.DOT16_MAX_ROWS),
+    (("avx512", "avx2", "portable"), True, True, AMX_MAX_ROWS)])
+def test_16bit_native_rows_by_the_library_and_cpu(monkeypatch, variants, bf16_dot, amx, rows):
+    """The rows up to which 16-bit products take the native kernel: by the instructions it runs them on (AMX tiles,
+    VDPBF16PS) and, without those, by the library (the AVX2 one beats XLA's bf16 dot to 32 rows; quant's docstring)."""
+    monkeypatch.setattr(quant, "_float_rows_target", lambda: "target")
+    monkeypatch.setattr(native, "available_variants", lambda: variants)
+    monkeypatch.setattr(native, "avx512_bf16", lambda variant="auto": bf16_dot)
+    monkeypatch.setattr(native, "amx_bf16", lambda variant="auto": amx)
+    assert quant.native16_max_rows() == rows
+
+
 @pytest.mark.skipif(not native.available_variants(), reason="the native library is not built")
 @pytest.mark.parametrize("has_bf16_dot", [False, True])
 def test_many_16bit_rows_widen_to_float32_where_the_cpu_has_no_bf16_dot(monkeypatch, has_bf16_dot):

@@ -43,7 +43,10 @@ Measured on an AMD EPYC Zen 4 (2 cores) on the AVX2 code paths (XLA at AVX2, YNN
 bench/avx2_only), a 30-layer chain of XLA's products, bf16 -> widened, ms (three rounds each): [1536 x 576]
 at 64 rows 54-58 -> 57-64, 128 rows 148-168 -> 129-141, 512 rows 397-585 -> 241-421, 2048 rows 1010-1211 ->
 679-821; [576 x 1536] 64 rows 50-57 -> 56-63, 128 rows 152-153 -> 127-134, 512 rows 265-267 -> 168-201;
-a [4096 x 576] chunk of the LM head 64 rows 139 -> 146-149, 128 rows 225-238 -> 204-221.
+a [4096 x 576] chunk of the LM head 64 rows 139 -> 146-149, 128 rows 225-238 -> 204-221. On those paths the native
+kernel (the AVX2 library, its bfloat16 weights widened in registers) beat XLA's bf16 dot at every row count up to 32:
+the default model's 121 products as a chain (269 MB), 4 rows 31.6 -> 21.7 ms, 8 rows 49.0 -> 28.0, 16 rows 68.0 ->
+52.4, 32 rows 120.1 -> 75.9 (medians of 3): hence `AVX2_16_MAX_ROWS` = 32 in the AVX2 library.
 
 float32 rows (`float_rows` of a float32 weight; what `float_row_params` makes of float32 parameters, as the
 engine does on one CPU): `values` f32[*stack, out, in], `scales` None, `dtype` float32. Up to
@@ -144,6 +147,7 @@ NATIVE16_MAX_ROWS = 3  # rows up to which the native 16-bit kernel beats XLA's b
 DOT16_MAX_ROWS = 32  # the same where its bfloat16 products run on VDPBF16PS (`native.avx512_bf16()`)
 NATIVE32_MAX_ROWS = 32  # the same for float32 rows
 AMX_MAX_ROWS = 128  # the same where the native kernel runs on AMX tiles
+AVX2_16_MAX_ROWS = 32  # the same where the AVX2 library runs them (no bfloat16 dot instruction: module docstring)
 WIDEN16_MIN_ROWS = 128  # rows from which XLA's 16-bit products run in float32 where `widens_16bit()`
 ROW_DTYPES = (jnp.bfloat16, jnp.float32)  # the float weights `float_rows` takes
 IN_AXES = {"embed": (1,), "lm_head": (0,), "wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": (0,),
@@ -437,11 +441,15 @@ def native_max_rows(w: QuantizedWeight) -> int:
 
 def native16_max_rows() -> int:
     """Rows up to which a 16-bit product takes the native kernel here: `AMX_MAX_ROWS` where it runs on AMX
-    tiles, `DOT16_MAX_ROWS` where on VDPBF16PS, else `NATIVE16_MAX_ROWS`; 0 where the native library cannot
-    run."""
+    tiles, `DOT16_MAX_ROWS` where on VDPBF16PS, `AVX2_16_MAX_ROWS` in the AVX2 library, else (the AVX-512 one
+    without AVX512-BF16) `NATIVE16_MAX_ROWS`; 0 where the native library cannot run."""
     if _float_rows_target() is None:
         return 0
-    return AMX_MAX_ROWS if native.amx_bf16() else DOT16_MAX_ROWS if native.avx512_bf16() else NATIVE16_MAX_ROWS
+    if native.amx_bf16():
+        return AMX_MAX_ROWS
+    if native.avx512_bf16():
+        return DOT16_MAX_ROWS
+    return AVX2_16_MAX_ROWS if native.available_variants()[0] == "avx2" else NATIVE16_MAX_ROWS
 
 
 def widens_16bit() -> bool:
