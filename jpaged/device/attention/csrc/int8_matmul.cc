@@ -102,6 +102,17 @@ constexpr int kWideChannels = 6;
 constexpr int kPassRows = kMaxRows;
 constexpr int kWideChannels = 2;
 #endif
+// Whether a Block of one channel prefetches float32 weights (Block; other weights always, one row always): in the
+// AVX2 build, whose passes of 8 rows read one channel at a time and stalled on loading the weights (perf: 59% of
+// the block's samples). Measured on an AMD EPYC Zen 4 (2 cores; the default model's 121 float32 products as a
+// chain under XLA, alternating processes, medians of 3 x 9 calls, two rounds): the AVX2 library at 4 rows (a
+// channel at a time: Channels) 22.9 / 21.3 -> 17.4 / 15.2 ms, 8 rows 37.7 / 36.9 -> 22.6 / 23.2, 16 rows 54.5 /
+// 53.2 -> 40.7 / 40.4, 2 rows even; the AVX-512 library slower with them (4 rows 18.8 / 17.8 -> 24.7 / 24.3).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool kPrefetchOneChannel = true;
+#else
+constexpr bool kPrefetchOneChannel = false;
+#endif
 constexpr int64_t kTile = 32; // output channels per work item
 // A call of at most kMaxRows rows off the AMX tiles is bound by reading its weights: its threads share the
 // output channels in guided runs (OpenMP's guided schedule; Work::DrainGuided): each claim takes the channels
@@ -337,8 +348,9 @@ inline void Block(const Problem& p, int64_t m0, int64_t n0) {
   // processes, a machine whose CPU was not recorded) and still do (AMD EPYC Zen 4: 1.04x the time); on the
   // 2 MiB pages an engine's weights now get (jpaged/device/huge_pages.py), one row of them is faster with
   // them (0.91x the time, one process alternating; 0.91-0.95x against the library without, alternating
-  // processes), 16 rows slower (1.04-1.06x), so float32 weights are prefetched for one row only.
-  constexpr bool kPrefetch = sizeof(W) < 4 || R == 1;
+  // processes), 16 rows slower (1.04-1.06x), so float32 weights are prefetched for one row only, and for a
+  // block of one channel in the AVX2 build (kPrefetchOneChannel).
+  constexpr bool kPrefetch = sizeof(W) < 4 || R == 1 || (NO == 1 && kPrefetchOneChannel);
   const char* ahead = reinterpret_cast<const char*>(w + (n0 + NO) * K);
   VF acc[R][NO] = {};
   float tail[R][NO] = {};
