@@ -349,8 +349,10 @@ inline void Block(const Problem& p, int64_t m0, int64_t n0) {
   // 2 MiB pages an engine's weights now get (jpaged/device/huge_pages.py), one row of them is faster with
   // them (0.91x the time, one process alternating; 0.91-0.95x against the library without, alternating
   // processes), 16 rows slower (1.04-1.06x), so float32 weights are prefetched for one row only, and for a
-  // block of one channel in the AVX2 build (kPrefetchOneChannel).
-  constexpr bool kPrefetch = sizeof(W) < 4 || R == 1 || (NO == 1 && kPrefetchOneChannel);
+  // block of one channel: in the AVX2 build at every row count (kPrefetchOneChannel), in the AVX-512 build at 8
+  // rows (a call's one pass: Passes; the chain of Channels' comment at 8 rows 32.5 / 32.7 -> 26.4 / 26.3 ms with
+  // them, at 6 rows 21.4 / 26.0 -> 26.7 / 27.4 and at 4 slower too).
+  constexpr bool kPrefetch = sizeof(W) < 4 || R == 1 || (NO == 1 && (kPrefetchOneChannel || R == kMaxRows));
   const char* ahead = reinterpret_cast<const char*>(w + (n0 + NO) * K);
   VF acc[R][NO] = {};
   float tail[R][NO] = {};
@@ -585,21 +587,22 @@ void GroupSums(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
 }
 
 // Rows [m0, m0 + R) by the channels [n0, n1) in Blocks: NO at a time (8 accumulators or more: kWideChannels; one
-// row: kOneRowChannels), the rest one by one (every channel one by one where ReadsChannelAtATime: one row, and
-// float32 rows in a call's only pass, `only_pass`, whose weights come from memory; a pass after the first reads
-// them from cache, where NO channels side by side share each load of x). The sums are the same, bit for bit.
-// Measured on an AMD EPYC Zen 4 (2 cores; the default model's 121 float32 products, 538 MB, as a chain of
-// dependent calls under XLA, side by side -> a channel at a time, alternating processes, medians of 3 x 9 calls,
-// two rounds): the AVX-512 library at 2 rows 20.8 / 20.4 -> 12.5 / 16.3 ms, 4 rows 24.3 / 24.2 -> 20.5 / 19.0 (8
-// and 16 rows, two passes or more, even); the AVX2 library at 2 rows 20.3 / 21.4 -> 16.5 / 15.7, 4 rows 27.9 / 27.3
-// -> 23.6 / 23.4, 6 rows 32.3 / 33.3 -> 29.7 / 30.9. bfloat16 rows a channel at a time at 2-6 rows were even to
-// 1.13x slower (both libraries), so they keep it to one row.
+// row: kOneRowChannels), the rest one by one; every channel one by one where ReadsChannelAtATime, for one row and
+// for `one_pass` (Passes: float32 rows of a call of up to kMaxRows, whose weights come from memory once; in a
+// pass after the first they come from cache, where NO channels side by side share each load of x). The sums are
+// the same, bit for bit. Measured on an AMD EPYC Zen 4 (2 cores; the default model's 121 float32 products, 538
+// MB, as a chain of dependent calls under XLA, side by side -> a channel at a time, alternating processes, medians
+// of 3 x 9 calls, two rounds): the AVX-512 library at 2 rows 20.8 / 20.4 -> 12.5 / 16.3 ms, 4 rows 24.3 / 24.2 ->
+// 20.5 / 19.0, 6 rows (passes of 4 and 2 -> one) 29.5 / 30.3 -> 26.0 / 21.4, 8 rows 32.3 / 32.4 -> 25.0 / 26.0
+// (with Block's prefetches), 16 and 32 rows in one pass slower (42.8 / 42.4 -> 47.8 / 43.1, 75.4 / 69.9 -> 77.4 /
+// 79.5), hence kMaxRows; the AVX2 library (passes of 8 rows) at 2 rows 20.3 / 21.4 -> 16.5 / 15.7, 4 rows 27.9 /
+// 27.3 -> 23.6 / 23.4, 6 rows 32.3 / 33.3 -> 29.7 / 30.9. bfloat16 rows a channel at a time at 2-6 rows were even
+// to 1.13x slower (both libraries), so they keep it to one row.
 template <typename W, typename S, int R, bool kPerChannel>
-void Channels(const Problem& p, int64_t m0, int64_t n0, int64_t n1, bool only_pass) {
+void Channels(const Problem& p, int64_t m0, int64_t n0, int64_t n1, bool one_pass) {
   constexpr int NO = R >= 8 ? 1 : R >= 4 ? kWideChannels : R >= 2 ? 4 : kOneRowChannels<W>;
-  constexpr bool kAnyRows = std::is_same_v<W, float>;  // channel at a time at every row count of an only pass
   int64_t n = n0;
-  if (!((R == 1 || (kAnyRows && only_pass)) && kChannelAtATimeKinds<W> && ReadsChannelAtATime()))
+  if (!(one_pass || (R == 1 && kChannelAtATimeKinds<W> && ReadsChannelAtATime())))
     for (; n + NO <= n1; n += NO) AnyBlock<W, S, R, NO, kPerChannel>(p, m0, n);
   for (; n < n1; ++n) AnyBlock<W, S, R, 1, kPerChannel>(p, m0, n);
 }
@@ -607,30 +610,30 @@ void Channels(const Problem& p, int64_t m0, int64_t n0, int64_t n1, bool only_pa
 // Rows [m0, m0 + R) by the channels [n0, n1): grouped int8 weights in the builds that scale a group's sums
 // (kScalesAfterGroups) in GroupSums, the rest in Blocks (Channels; per-channel scales: kPerChannel).
 template <typename W, typename S, int R>
-void Rows(const Problem& p, int64_t m0, int64_t n0, int64_t n1, bool only_pass) {
+void Rows(const Problem& p, int64_t m0, int64_t n0, int64_t n1, bool one_pass) {
   if constexpr (kGroupSums<S> && R <= kGroupSumRows)
     if (p.G < p.K && p.G % kLanes == 0) return GroupSums<W, S, R>(p, m0, n0, n1);
   if constexpr (!std::is_same_v<S, NoScale>)
-    if (p.G == p.K) return Channels<W, S, R, true>(p, m0, n0, n1, only_pass);
-  Channels<W, S, R, false>(p, m0, n0, n1, only_pass);
+    if (p.G == p.K) return Channels<W, S, R, true>(p, m0, n0, n1, one_pass);
+  Channels<W, S, R, false>(p, m0, n0, n1, one_pass);
 }
 
 // Rows [m0, m1) by channels [n0, n1), kPassRows rows a pass over the channels (int8 weights where a group's sums
-// are scaled: kGroupSumRows, GroupSums' most).
+// are scaled: kGroupSumRows, GroupSums' most; float32 rows where ReadsChannelAtATime, up to kMaxRows: one pass).
 template <typename W, typename S>
 void Passes(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  constexpr int64_t rows = kGroupSums<S> ? kGroupSumRows : kPassRows;
-  const bool only_pass = m1 - m0 <= rows;
+  const bool one_pass = std::is_same_v<W, float> && m1 - m0 <= kMaxRows && ReadsChannelAtATime();
+  const int64_t rows = one_pass ? kMaxRows : kGroupSums<S> ? kGroupSumRows : kPassRows;
   for (int64_t m = m0; m < m1; m += rows) {
     switch (std::min<int64_t>(rows, m1 - m)) {
-      case 1: Rows<W, S, 1>(p, m, n0, n1, only_pass); break;
-      case 2: Rows<W, S, 2>(p, m, n0, n1, only_pass); break;
-      case 3: Rows<W, S, 3>(p, m, n0, n1, only_pass); break;
-      case 4: Rows<W, S, 4>(p, m, n0, n1, only_pass); break;
-      case 5: Rows<W, S, 5>(p, m, n0, n1, only_pass); break;
-      case 6: Rows<W, S, 6>(p, m, n0, n1, only_pass); break;
-      case 7: Rows<W, S, 7>(p, m, n0, n1, only_pass); break;
-      default: Rows<W, S, 8>(p, m, n0, n1, only_pass); break;
+      case 1: Rows<W, S, 1>(p, m, n0, n1, one_pass); break;
+      case 2: Rows<W, S, 2>(p, m, n0, n1, one_pass); break;
+      case 3: Rows<W, S, 3>(p, m, n0, n1, one_pass); break;
+      case 4: Rows<W, S, 4>(p, m, n0, n1, one_pass); break;
+      case 5: Rows<W, S, 5>(p, m, n0, n1, one_pass); break;
+      case 6: Rows<W, S, 6>(p, m, n0, n1, one_pass); break;
+      case 7: Rows<W, S, 7>(p, m, n0, n1, one_pass); break;
+      default: Rows<W, S, 8>(p, m, n0, n1, one_pass); break;
     }
   }
 }
