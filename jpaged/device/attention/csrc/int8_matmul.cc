@@ -492,23 +492,22 @@ constexpr int kOneRowChannels =
     8;
 #endif
 
-// Whether one row of x reads float32 and VDPBF16PS's bfloat16 weights a channel at a time (each channel's K
-// weights whole, one sequential stream, then the next channel's), not kOneRowChannels streams side by side:
-// on AMD Zen 4 (AmdFamily19h, in the AVX-512 build). There the side-by-side streams read
-// below the memory's rate, and a channel at a time reaches it. Measured on an AMD EPYC Zen 4 (2 cores): a
-// C++ scratch loop of the kernel's two access patterns, two threads, the default model's [49152 x 576]
-// bfloat16 LM head from memory, 26-35 GB/s with 4 streams against 40-44 a channel at a time (medians of 9-15
-// calls in four runs; a plain two-thread sum of as many bytes: 27-34); in the engine, one stream's decode step
-// traced (jax.profiler, the two alternating in one process, median of 4 rounds), bfloat16 11.9 -> 10.6 ms
-// (gate/up 133 -> 114 us a layer, down 69 -> 56, the LM head 2.12 -> 1.85 ms), float32 20.5 -> 19.4 ms.
-// The sums are the same, bit for bit (each channel's are added in the same order). int8 weights stay 4
-// streams: widening and scaling bound them on Zen 4, and one channel at a time was slower (7.8 -> 9.7 ms
-// the step). An Intel Xeon read its channels faster side by side (Block's comment), so only AMD does.
-// The AVX2 build on AMD family 19h reads them a channel at a time too, its widened bfloat16 weights (Bf16)
-// included: measured on the Zen 4 with the AVX2 library forced (XLA at AVX2; one stream in the engine, 4
-// requests of 96 tokens a process, alternating processes, 3 rounds), float32 18.97 -> 16.50, 19.33 -> 17.12,
-// 17.15 -> 17.02 ms a token, bfloat16 11.69 -> 10.08, 12.26 -> 10.31, 11.63 -> 9.90. Zen 3, the AVX2-only
-// family 19h, was not measured. The portable build keeps its side-by-side streams.
+// Whether one row of x (and float32 calls of up to kMaxRows rows: Passes) reads float32 and VDPBF16PS's bfloat16
+// weights a channel at a time (each channel's K weights whole, one sequential stream, then the next channel's), not
+// kOneRowChannels streams side by side: on AMD Zen 4 (AmdFamily19h, in the AVX-512 build). There the side-by-side
+// streams read below the memory's rate, and a channel at a time reaches it. Measured on an AMD EPYC Zen 4 (2 cores): a
+// C++ scratch loop of the kernel's two access patterns, two threads, the default model's [49152 x 576] bfloat16 LM head
+// from memory, 26-35 GB/s with 4 streams against 40-44 a channel at a time (medians of 9-15 calls in four runs; a plain
+// two-thread sum of as many bytes: 27-34); in the engine, one stream's decode step traced (jax.profiler, the two
+// alternating in one process, median of 4 rounds), bfloat16 11.9 -> 10.6 ms (gate/up 133 -> 114 us a layer, down 69 ->
+// 56, the LM head 2.12 -> 1.85 ms), float32 20.5 -> 19.4 ms. The sums are the same, bit for bit (each channel's are
+// added in the same order). int8 weights stay 4 streams: widening and scaling bound them on Zen 4, and one channel at a
+// time was slower (7.8 -> 9.7 ms the step). An Intel Xeon read its channels faster side by side (Block's comment), so
+// only AMD does. The AVX2 build on AMD family 19h reads them a channel at a time too, its widened bfloat16 weights
+// (Bf16) included: measured on the Zen 4 with the AVX2 library forced (XLA at AVX2; one stream in the engine, 4
+// requests of 96 tokens a process, alternating processes, 3 rounds), float32 18.97 -> 16.50, 19.33 -> 17.12, 17.15 ->
+// 17.02 ms a token, bfloat16 11.69 -> 10.08, 12.26 -> 10.31, 11.63 -> 9.90. Zen 3, the AVX2-only family 19h, was not
+// measured. The portable build keeps its side-by-side streams.
 template <typename W>
 constexpr bool kChannelAtATimeKinds =
     std::is_same_v<W, Bf16Dot> || std::is_same_v<W, float> || std::is_same_v<W, Bf16>;
