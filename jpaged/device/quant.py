@@ -36,20 +36,20 @@ items, `csrc/int8_matmul.cc`), it won up to 8 rows: the default model's decode s
 alternating the two). Once the kernel's passes took 4 rows by 6 channels (`kPassRows`), it won up to 32
 rows there: 16 requests 17.6 -> 14.4 ms a step, 32 requests 31.2 -> 21.0 (64: 45.6 -> 42.1, noisy, not
 taken): hence `DOT16_MAX_ROWS` = 32 there. CPUs without AVX512-BF16 were not measured again.
-Where the CPU has no bfloat16 dot instruction at all (no AMX-BF16, no AVX512-BF16: `widens_16bit`), XLA's bf16 x
-bf16 -> f32 dot widens the weights in its inner loop, and from `WIDEN16_MIN_ROWS` = 128 rows on both operands are
-widened to float32 first (exact: the same products, summed by XLA's float32 dot in its own order), and int8 weights
-computing in bfloat16 at every row count XLA takes. Measured on an AMD EPYC Zen 4 (2 cores) on the AVX2 code paths
-(XLA at AVX2, YNNPACK's AVX2 kernels: bench/avx2_only), a 30-layer chain of XLA's products, bf16 -> widened, ms
-(three rounds each): [1536 x 576] at 64 rows 54-58 -> 57-64, 128 rows 148-168 -> 129-141, 512 rows 397-585 ->
-241-421, 2048 rows 1010-1211 -> 679-821; [576 x 1536] 64 rows 50-57 -> 56-63, 128 rows 152-153 -> 127-134, 512 rows
-265-267 -> 168-201; a [4096 x 576] chunk of the LM head 64 rows 139 -> 146-149, 128 rows 225-238 -> 204-221. int8
-computing in bfloat16 (their dequantization writes the widened values in the same pass), the default model's 121
-Q8_0 products as a chain, bf16 -> widened, 48 rows 160.8 / 159.0 -> 132.7 / 137.0 ms, 96 rows 278.6 / 273.5 -> 217.4
-/ 187.1 (alternating processes, two rounds). On those paths the native kernel (the AVX2 library, its bfloat16
-weights widened in registers) beat XLA's bf16 dot at every row count up to 32: the default model's 121 products as a
-chain (269 MB), 4 rows 31.6 -> 21.7 ms, 8 rows 49.0 -> 28.0, 16 rows 68.0 -> 52.4, 32 rows 120.1 -> 75.9 (medians of
-3): hence `AVX2_16_MAX_ROWS` = 32 in the AVX2 library.
+Where the CPU has no bfloat16 dot instruction at all (no AMX-BF16, no AVX512-BF16: `widens_16bit`), XLA's
+bf16 x bf16 -> f32 dot widens the weights in its inner loop, and from `WIDEN16_MIN_ROWS` = 128 rows on both
+operands are widened to float32 first (exact: the same products, summed by XLA's float32 dot in its own order);
+int8 weights computing in bfloat16 at every row count XLA takes (their dequantization writes the widened values in
+the same pass): the default model's 121 Q8_0 products as a chain on the AVX2 code paths, bf16 -> widened, 48 rows
+160.8 / 159.0 -> 132.7 / 137.0 ms, 96 rows 278.6 / 273.5 -> 217.4 / 187.1 (alternating processes, two rounds).
+Measured on an AMD EPYC Zen 4 (2 cores) on the AVX2 code paths (XLA at AVX2, YNNPACK's AVX2 kernels:
+bench/avx2_only), a 30-layer chain of XLA's products, bf16 -> widened, ms (three rounds each): [1536 x 576]
+at 64 rows 54-58 -> 57-64, 128 rows 148-168 -> 129-141, 512 rows 397-585 -> 241-421, 2048 rows 1010-1211 ->
+679-821; [576 x 1536] 64 rows 50-57 -> 56-63, 128 rows 152-153 -> 127-134, 512 rows 265-267 -> 168-201;
+a [4096 x 576] chunk of the LM head 64 rows 139 -> 146-149, 128 rows 225-238 -> 204-221. On those paths the native
+kernel (the AVX2 library, its bfloat16 weights widened in registers) beat XLA's bf16 dot at every row count up to 32:
+the default model's 121 products as a chain (269 MB), 4 rows 31.6 -> 21.7 ms, 8 rows 49.0 -> 28.0, 16 rows 68.0 ->
+52.4, 32 rows 120.1 -> 75.9 (medians of 3): hence `AVX2_16_MAX_ROWS` = 32 in the AVX2 library.
 
 float32 rows (`float_rows` of a float32 weight; what `float_row_params` makes of float32 parameters, as the
 engine does on one CPU): `values` f32[*stack, out, in], `scales` None, `dtype` float32. Up to
@@ -458,9 +458,9 @@ def native16_max_rows() -> int:
 
 def widens_16bit() -> bool:
     """Whether XLA's products of 16-bit weights by at least `WIDEN16_MIN_ROWS` rows (int8 computing in bfloat16:
-    any rows) widen both operands to float32 here (module docstring): on a CPU where the native library finds no
-    bfloat16 dot instruction (neither AMX-BF16 nor AVX512-BF16; its variant capped by JPAGED_NATIVE_VARIANT counts
-    as the CPU). False where the native library cannot run (nothing measured there)."""
+    any rows) widen both operands to float32 here (module docstring): on a CPU where the native library finds no bfloat16 dot instruction (neither AMX-BF16
+    nor AVX512-BF16; its variant capped by JPAGED_NATIVE_VARIANT counts as the CPU). False where the native library
+    cannot run (nothing measured there)."""
     return _float_rows_target() is not None and not native.amx_bf16() and not native.avx512_bf16()
 
 
