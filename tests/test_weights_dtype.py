@@ -17,8 +17,8 @@ from jpaged.device import quant
 from jpaged.device.attention import native
 from jpaged.device.model import compute_logits
 from jpaged.device.params import BF16_BITS, cast_params, num_params, to_storage
-from jpaged.device.quant import (AMX_MAX_ROWS, NATIVE16_MAX_ROWS, NATIVE_MAX_ROWS, NATIVE32_MAX_ROWS, WIDEN16_MIN_ROWS,
-                                 QuantizedWeight, dequantize, float_rows, quantize, quantized_matmul, take_rows)
+from jpaged.device.quant import (AMX_MAX_ROWS, NATIVE16_MAX_ROWS, NATIVE32_MAX_ROWS, WIDEN16_MIN_ROWS, QuantizedWeight,
+                                 dequantize, float_rows, quantize, quantized_matmul, take_rows)
 
 on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU storage form of bfloat16 parameters")
 
@@ -259,10 +259,9 @@ def test_16bit_native_rows_by_the_library_and_cpu(monkeypatch, variants, bf16_do
 @pytest.mark.skipif(not native.available_variants(), reason="the native library is not built")
 @pytest.mark.parametrize("has_bf16_dot", [False, True])
 def test_many_16bit_rows_widen_to_float32_where_the_cpu_has_no_bf16_dot(monkeypatch, has_bf16_dot):
-    """XLA's products of 16-bit rows take float32 operands from WIDEN16_MIN_ROWS rows on where the CPU has no
-    bfloat16 dot instruction (`quant.widens_16bit`), and of int8 computing in bfloat16 at every row count XLA
-    takes (past NATIVE_MAX_ROWS); bfloat16 ones below those rows and where it has one; the products are the same
-    (the bfloat16 operands widen exactly), against float64."""
+    """XLA's products of 16-bit rows and of int8 computing in bfloat16 take float32 operands from WIDEN16_MIN_ROWS
+    rows on where the CPU has no bfloat16 dot instruction (`quant.widens_16bit`), bfloat16 ones below those rows
+    and where it has one; the products are the same (the bfloat16 operands widen exactly), against float64."""
     monkeypatch.setattr(native, "avx512_bf16", lambda variant="auto": has_bf16_dot)
     monkeypatch.setattr(native, "amx_bf16", lambda variant="auto": False)
     assert quant.widens_16bit() is not has_bf16_dot
@@ -271,14 +270,13 @@ def test_many_16bit_rows_widen_to_float32_where_the_cpu_has_no_bf16_dot(monkeypa
     w = rng.standard_normal((k, n)).astype(np.float32)  # logical [in, out]
     int8 = quantize(jnp.asarray(w), (k, n), (0,), group_size=32).replace(compute_dtype="bfloat16")
     bf16_rows = float_rows(jnp.asarray(w).astype(jnp.bfloat16), (k, n), (0,))
-    for weight, w64, widen_from in (
-            (bf16_rows, w.astype(jnp.bfloat16).astype(np.float64), WIDEN16_MIN_ROWS),
-            (int8, np.asarray(dequantize(int8)).astype(jnp.bfloat16).astype(np.float64), NATIVE_MAX_ROWS + 1)):
-        for rows in (NATIVE_MAX_ROWS + 1, WIDEN16_MIN_ROWS - 1, WIDEN16_MIN_ROWS):
+    for weight, w64 in ((bf16_rows, w.astype(jnp.bfloat16).astype(np.float64)),
+                        (int8, np.asarray(dequantize(int8)).astype(jnp.bfloat16).astype(np.float64))):
+        for rows in (WIDEN16_MIN_ROWS - 1, WIDEN16_MIN_ROWS):
             x = rng.standard_normal((rows, k)).astype(np.float32)
             product = jax.jit(lambda x, w: quantized_matmul(x, w))  # traced anew: widens_16bit is patched
             hlo = product.lower(x, weight).as_text()
-            widened = rows >= widen_from and not has_bf16_dot
+            widened = rows >= WIDEN16_MIN_ROWS and not has_bf16_dot
             dots = [line for line in hlo.splitlines() if "dot_general" in line]
             assert dots and all(("tensor<%dx%dxf32>" % (rows, k) in d) is widened
                                 and ("tensor<%dx%dxbf16>" % (rows, k) in d) is not widened for d in dots), dots

@@ -38,10 +38,7 @@ rows there: 16 requests 17.6 -> 14.4 ms a step, 32 requests 31.2 -> 21.0 (64: 45
 taken): hence `DOT16_MAX_ROWS` = 32 there. CPUs without AVX512-BF16 were not measured again.
 Where the CPU has no bfloat16 dot instruction at all (no AMX-BF16, no AVX512-BF16: `widens_16bit`), XLA's
 bf16 x bf16 -> f32 dot widens the weights in its inner loop, and from `WIDEN16_MIN_ROWS` = 128 rows on both
-operands are widened to float32 first (exact: the same products, summed by XLA's float32 dot in its own order);
-int8 weights computing in bfloat16 at every row count XLA takes (their dequantization writes the widened values in
-the same pass): the default model's 121 Q8_0 products as a chain on the AVX2 code paths, bf16 -> widened, 48 rows
-160.8 / 159.0 -> 132.7 / 137.0 ms, 96 rows 278.6 / 273.5 -> 217.4 / 187.1 (alternating processes, two rounds).
+operands are widened to float32 first (exact: the same products, summed by XLA's float32 dot in its own order).
 Measured on an AMD EPYC Zen 4 (2 cores) on the AVX2 code paths (XLA at AVX2, YNNPACK's AVX2 kernels:
 bench/avx2_only), a 30-layer chain of XLA's products, bf16 -> widened, ms (three rounds each): [1536 x 576]
 at 64 rows 54-58 -> 57-64, 128 rows 148-168 -> 129-141, 512 rows 397-585 -> 241-421, 2048 rows 1010-1211 ->
@@ -357,8 +354,7 @@ def quantized_matmul(x, w: QuantizedWeight) -> jax.Array:
         # computes in bfloat16), contracting the rows' last axis; bf16 x bf16 -> f32 or f32's
         weights = (_bf16(sliced(w.values)) if w.is_float
                    else dequantize_rows(sliced(w.values), sliced(w.scales)).astype(w.dtype))
-        widen_from = WIDEN16_MIN_ROWS if w.is_float else 0  # int8: dequantized anyway, widened in the same pass
-        if rows.dtype == jnp.bfloat16 and rows.shape[0] >= widen_from and widens_16bit():
+        if rows.dtype == jnp.bfloat16 and rows.shape[0] >= WIDEN16_MIN_ROWS and widens_16bit():
             rows, weights = rows.astype(jnp.float32), weights.astype(jnp.float32)  # exact: the same products
         y = jax.lax.dot_general(rows, weights, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return y.reshape(*_batch(x, w), *_out_shape(w))
@@ -457,8 +453,8 @@ def native16_max_rows() -> int:
 
 
 def widens_16bit() -> bool:
-    """Whether XLA's products of 16-bit weights by at least `WIDEN16_MIN_ROWS` rows (int8 computing in bfloat16:
-    any rows) widen both operands to float32 here (module docstring): on a CPU where the native library finds no bfloat16 dot instruction (neither AMX-BF16
+    """Whether XLA's products of 16-bit weights by at least `WIDEN16_MIN_ROWS` rows widen both operands to float32
+    here (module docstring): on a CPU where the native library finds no bfloat16 dot instruction (neither AMX-BF16
     nor AVX512-BF16; its variant capped by JPAGED_NATIVE_VARIANT counts as the CPU). False where the native library
     cannot run (nothing measured there)."""
     return _float_rows_target() is not None and not native.amx_bf16() and not native.avx512_bf16()
