@@ -162,10 +162,11 @@ def int8_solo_max_rows(variant: str = "auto") -> int:
 
 @functools.cache
 def reads_channel_at_a_time(variant: str = "auto") -> bool:
-    """Whether `variant`'s library reads the float32 and bfloat16 weights of a one-row product one output
-    channel at a time, each channel's weights one sequential stream, rather than 4 to 8 channels side by side:
-    the AVX-512 and AVX2 libraries on AMD family 19h (Zen 4, where that reads at the memory's rate; Zen 3),
-    `csrc/int8_matmul.cc`. The sums are the same either way. False where the native kernels cannot run."""
+    """Whether `variant`'s library reads the float32 and bfloat16 weights of a one-row product (and the float32
+    weights of a product of up to 8 rows, in one pass) one output channel at a time, each channel's weights one
+    sequential stream, rather than 4 to 8 channels side by side: the AVX-512 and AVX2 libraries on AMD family 19h
+    (Zen 4, where that reads at the memory's rate; Zen 3), `csrc/int8_matmul.cc`. The sums are the same either
+    way. False where the native kernels cannot run."""
     return _library_says(variant, "JpagedReadsChannelAtATime")
 
 
