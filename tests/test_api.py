@@ -82,7 +82,7 @@ def test_prompt_larger_than_kv_pool_is_rejected(make_llm):
     (dict(temperature=-1), r"temperature must be >= 0 \(0 = greedy\), got -1"),
     (dict(top_p=0), r"top_p must be in \(0, 1\], got 0"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
-    (dict(top_k=-1), r"top_k must be an integer >= 0 \(0 = off\), got -1"),
+    (dict(top_k=-2), r"top_k must be an integer >= 0 \(0 or -1 = off\), got -2"),
     (dict(seed=-3), r"seed must be None or an integer in \[0, 2\*\*32\)"),
     (dict(n=0), "n must be an integer >= 1"),
 ])
@@ -95,6 +95,22 @@ def test_sampling_params_list_must_match_prompts(llm):
     with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts: pass one, or one per prompt"):
         llm.generate(GOOD, [SamplingParams()], use_tqdm=False)
     assert_idle(llm)
+
+
+@pytest.mark.parametrize("given, match", [
+    ({"temperature": 0}, r"got dict: pass SamplingParams\(\*\*it\)"),
+    ([{"temperature": 0}], "got a list holding dict"),
+    (0.5, "got float"),
+])
+def test_sampling_params_of_another_type_are_refused(llm, given, match):
+    """A dict of fields (or anything but SamplingParams) is a TypeError saying what to pass, before any request."""
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them, " + match):
+        llm.generate(GOOD[:1], given, use_tqdm=False)
+    assert_idle(llm)
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
 
 
 def test_bad_engine_config(default_model):

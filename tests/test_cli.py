@@ -40,7 +40,7 @@ REAL_LOAD_MODEL = llm_engine.load_model
     (["hi", "--temperature", "-1"], "temperature"),
     (["hi", "--top-p", "0"], "top_p"),
     (["hi", "--top-p", "1.5"], "top_p"),
-    (["hi", "--top-k", "-1"], "top_k"),
+    (["hi", "--top-k", "-2"], "top_k"),
     (["hi", "--block-size", "12"], "power of two"),
     (["   "], "empty"),
     (["hi", "--num-blocks", "3", "--block-size", "4"], "blocks"),
@@ -67,7 +67,8 @@ REAL_LOAD_MODEL = llm_engine.load_model
     (["hi", "--swap-space", "-1", "--preemption-mode", "swap"], "swap_space must be >= 0"),
     (["hi", "--num-blocks", "100000000"], "at most"),
     (["hi", "--kv-cache-memory", "1000TB"], "lower num_blocks / --num-blocks or kv_cache_memory"),
-    (["hi", "--attention-backend", "pallas"], "use attention_backend='auto' or 'xla' here"),
+    (["hi", "--attention-backend", "pallas"], "use attention_backend='auto' or 'xla' here (the CLI's "
+                                              "--attention-backend), or interpret=True (--interpret)"),
     (["hi", "--tensor-parallel-size", "64"], "64 devices asked for"),
     (["hi", "--n", "300", "--temperature", "0.5"], "max_num_seqs=256"),
     (["hi", "--num-processes", "2"], "coordinator address (--coordinator-address) must be HOST:PORT"),
@@ -165,7 +166,7 @@ def test_serve_warms_up_by_default_with_its_time_printed(default_model, monkeypa
     err = capsys.readouterr().err
     assert warmed == served and len(served) == 1, err
     assert "[jpaged] warming up: compiled 3/3" in err and (
-        "[jpaged] warmed up in 4.2 s: 3 executables (3 built, 1 from the compilation cache)") in err, err
+        "[jpaged] warmed up in 4.2 s: 3 executables (3 built, 1 of them from the compilation cache)") in err, err
     assert cli.main([*argv, "--no-warm-up"]) == 0
     assert len(served) == 2 and len(warmed) == 1 and "warm" not in capsys.readouterr().err
     # one process schedules asynchronously unless told not to (as vLLM serves)

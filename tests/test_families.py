@@ -200,6 +200,9 @@ def test_family_checkpoint_round_trip(family_models, tmp_path):
     assert restored.config == loaded.config and restored.config.rope_scaling.rope_type == "linear"
     for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(loaded.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    text, chat = "Name three colors, <start_of_turn> please.", [{"role": "user", "content": "hi"}]
+    assert restored.tokenizer(text).input_ids == loaded.tokenizer(text).input_ids
+    assert restored.tokenizer.apply_chat_template(chat) == loaded.tokenizer.apply_chat_template(chat)
 
 
 def test_cli_generates_from_a_family_directory(family_models, default_model, capsys):

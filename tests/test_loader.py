@@ -139,6 +139,11 @@ def test_checkpoint_roundtrip(default_model, tmp_path):
         assert np.array_equal(x, ref[name].astype(jnp.bfloat16).astype(np.float32)), name
     chat = [{"role": "user", "content": "hi"}]
     assert again.tokenizer.apply_chat_template(chat) == default_model.tokenizer.apply_chat_template(chat)
+    # the saved tokenizer comes back as the class the GGUF loader built (not through AutoTokenizer), alike
+    assert type(again.tokenizer) is type(default_model.tokenizer)
+    text = "<|im_start|>user\nCafé, naïve 42 tokens!\t<|im_end|> <|endoftext|>"
+    assert again.tokenizer(text).input_ids == default_model.tokenizer(text).input_ids
+    assert again.tokenizer.all_special_tokens == default_model.tokenizer.all_special_tokens
 
 
 # ---------------------------------------------------------------- HF checkpoint directories

@@ -89,7 +89,7 @@ def bad_requests(llm):
         ("beam search with stop strings", lambda: params(beam_width=2, stop=["x"]), "stop strings are not supported"),
         ("top_p of 0", lambda: params(top_p=0), r"top_p must be in \(0, 1\]"),
         ("top_p above 1", lambda: params(top_p=1.5), r"top_p must be in \(0, 1\]"),
-        ("negative top_k", lambda: params(top_k=-1), "top_k must be an integer >= 0"),
+        ("negative top_k", lambda: params(top_k=-2), "top_k must be an integer >= 0"),
         ("negative temperature", lambda: params(temperature=-0.5), "temperature must be >= 0"),
         ("NaN temperature", lambda: params(temperature=float("nan")), "temperature must be >= 0"),
         ("max_tokens of 0", lambda: params(max_tokens=0), "max_tokens must be an integer >= 1"),

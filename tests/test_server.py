@@ -221,7 +221,7 @@ def test_bad_requests_get_400s_while_others_stream(server, reference):
         "invalid temperature": (json.dumps({"model": MODEL, "prompt": "x", "temperature": -1}).encode(),
                                 "temperature must be >= 0"),
         "unknown field": (json.dumps({"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}).encode(),
-                          "unsupported field(s) 'frequency_penalty'"),
+                          "unsupported field(s) 'frequency_penalty' (accepted: frequency_penalty only as 0 or null)"),
         "prompt too long": (json.dumps({"model": MODEL, "prompt": "word " * 9000}).encode(), "the model's context"),
         "prompt too long with max_tokens": (json.dumps({"model": MODEL, "prompt": "word " * 9000, "max_tokens": 4}
                                                        ).encode(), "shorten the prompt to at most 8191 tokens"),
@@ -333,8 +333,8 @@ def test_a_client_that_disconnects_frees_its_blocks(server, stream):
 
 
 def test_limits_and_endpoints(server, make_llm):
-    status, _ = server.raw("POST", "/v1/completions", b'{"prompt": "' + b"x" * (1 << 20) + b'"}')
-    assert status == 413
+    status, text = server.raw("POST", "/v1/completions", b'{"prompt": "' + b"x" * (1 << 20) + b'"}')
+    assert status == 413 and "--max-request-bytes" in json.loads(text)["error"]["message"], text
     status, text = server.raw("GET", "/v1/models")
     assert status == 200 and [m["id"] for m in json.loads(text)["data"]] == [MODEL]
     assert server.raw("GET", "/health")[0] == 200

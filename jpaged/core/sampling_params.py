@@ -11,7 +11,8 @@ from jpaged.core.structured_output import StructuredOutputsParams
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Defaults follow vLLM: temperature 1.0, top_p 1.0, top_k 0 (off), max_tokens 16.
+    """Defaults follow vLLM: temperature 1.0, top_p 1.0, top_k 0 (off; -1, vLLM's other spelling, becomes 0),
+    max_tokens 16.
 
     n: independent samples of the prompt (their prompt blocks are shared, refcount n).
     beam_width: > 1 switches to beam search (deterministic; temperature/top-k/top-p ignored);
@@ -60,7 +61,10 @@ class SamplingParams:
         _check(_is_number(self.temperature) and self.temperature >= 0,
                f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if _is_int(self.top_k) and self.top_k == -1:  # vLLM's other spelling of off
+            object.__setattr__(self, "top_k", 0)
+        _check(_is_int(self.top_k) and self.top_k >= 0,
+               f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**32),
@@ -113,12 +117,20 @@ def _check(ok: bool, message: str) -> None:
 
 
 def as_list(sampling_params, num_prompts: int) -> Sequence[SamplingParams]:
-    """One SamplingParams per prompt: a single one is shared; a list must match the prompts."""
+    """One SamplingParams per prompt: a single one is shared; a list must match the prompts. Anything else
+    (a dict of fields, a list holding one) raises TypeError."""
     if sampling_params is None:
         sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
+    if isinstance(sampling_params, (dict, str, bytes)) or not hasattr(sampling_params, "__iter__"):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                        f"{type(sampling_params).__name__}" + (": pass SamplingParams(**it)" if isinstance(
+                            sampling_params, dict) else ""))
     sampling_params = list(sampling_params)
     if len(sampling_params) != num_prompts:
         raise ValueError(f"got {len(sampling_params)} SamplingParams for {num_prompts} prompts: pass one, or one per prompt")
+    bad = [type(p).__name__ for p in sampling_params if not isinstance(p, SamplingParams)]
+    if bad:
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got a list holding {bad[0]}")
     return sampling_params

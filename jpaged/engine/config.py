@@ -24,7 +24,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 class EngineConfig:
     """Static engine settings.
 
-    model: a .gguf file, a HF Llama directory or a jpaged checkpoint (None: the embedded default).
+    model: a .gguf file, a HF checkpoint directory of a supported family or a jpaged checkpoint (None: the
+      embedded default).
     block_size: tokens per KV block (a power of two). num_blocks: the whole device pool, the null
       block included; when None it is sized from `kv_cache_memory` (bytes, or e.g. '1GiB').
     dtype: of the parameters and the KV pool; every matmul accumulates in float32 and the activations

@@ -105,15 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
                           "prompts (their own are ignored) and print nothing")
     v = sub.add_parser("serve", help="serve the OpenAI API (completions, chat completions) over HTTP")
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     v.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the file's)")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
                    "/health (default: $JPAGED_API_KEY if set)")
     v.add_argument("--max-waiting", type=int, default=256, help="requests waiting for the engine, past which "
-                   "new ones get 503")
-    v.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (413 above)")
+                   "new ones get 503 (default: 256)")
+    v.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body in bytes (413 above; "
+                   "default: 1048576, 1 MiB)")
     v.add_argument("--grace-period", type=float, default=30.0, help="seconds running requests get to finish "
-                   "after SIGTERM")
+                   "after SIGTERM (default: 30)")
     v.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                    help="start serving at once, without compiling every step shape first (requests then wait for "
                    "the compilations of the shapes they meet)")
@@ -122,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "by step; when one of them goes away, the others end (process 0 answering the requests "
                           "in flight with an error)")
     c = sub.add_parser("convert", help="save a model as a jpaged (orbax) checkpoint that loads in seconds")
-    c.add_argument("--model", help="a .gguf file or a HF Llama directory (default: embedded SmolLM2-135M-Instruct)")
+    c.add_argument("--model", help="a .gguf file or a HF checkpoint directory of a supported family (default: "
+                   "embedded SmolLM2-135M-Instruct)")
     c.add_argument("--out", default=None, help="new directory to write (default: checkpoints/<model name>)")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="of the saved parameters")
@@ -131,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_engine_arguments(parser) -> None:
     """The `EngineConfig` options, shared by `generate` and `serve`."""
-    parser.add_argument("--model", help="a .gguf file, a HF Llama directory or a jpaged checkpoint (default: the "
+    parser.add_argument("--model", help="a .gguf file, a HF checkpoint directory of a supported family or a "
+                        "jpaged checkpoint (default: the "
                         "embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks, null block included")
@@ -387,7 +390,7 @@ def warm_up(engine, at_terminal: bool) -> None:
     summary = engine.warm_up(progress)
     if at_terminal and summary.built:
         print(file=sys.stderr)
-    cached = f", {summary.cache_hits} from the compilation cache" if summary.cache_hits else ""
+    cached = f", {summary.cache_hits} of them from the compilation cache" if summary.cache_hits else ""
     print(f"[jpaged] warmed up in {summary.seconds:.1f} s: {summary.num_executables} executables "
           f"({summary.built} built{cached})", file=sys.stderr, flush=True)
 

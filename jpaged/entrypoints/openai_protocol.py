@@ -100,8 +100,10 @@ def parse_request(data: dict, *, chat: bool, model_name: str) -> ParsedRequest:
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
     unknown = sorted(k for k in set(data) - allowed if data[k] not in NEUTRAL.get(k, ()))
     if unknown:
-        raise ApiError(f"unsupported field(s) {', '.join(map(repr, unknown))}; this server understands "
-                       f"{', '.join(sorted(allowed))}", param=unknown[0])
+        neutral = [f"{k} only as {' or '.join(json.dumps(v) for v in NEUTRAL[k])}" for k in unknown if k in NEUTRAL]
+        raise ApiError(f"unsupported field(s) {', '.join(map(repr, unknown))}"
+                       + (f" (accepted: {'; '.join(neutral)})" if neutral else "")
+                       + f"; this server understands {', '.join(sorted(allowed))}", param=unknown[0])
     model = data.get("model", model_name)
     if model != model_name:
         raise ApiError(f"the model {model!r} does not exist: this server serves {model_name!r}", status=404,

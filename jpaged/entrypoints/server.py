@@ -272,12 +272,12 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig(), *,
     async def read_body(request: Request) -> dict:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > config.max_request_bytes:
-            raise api.ApiError(f"the request body is over {config.max_request_bytes} bytes", status=413)
+            raise api.ApiError(_too_large(config.max_request_bytes), status=413)
         body = b""
         async for part in request.stream():
             body += part
             if len(body) > config.max_request_bytes:
-                raise api.ApiError(f"the request body is over {config.max_request_bytes} bytes", status=413)
+                raise api.ApiError(_too_large(config.max_request_bytes), status=413)
         return api.parse_json(body)
 
     def admit(parsed: api.ParsedRequest, request_id: str) -> list[tuple[str, asyncio.Queue]]:
@@ -537,6 +537,11 @@ def serve(engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port
     if config.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it may use it (--api-key)", host)
     server.run()
+
+
+def _too_large(limit: int) -> str:
+    return (f"the request body is over {limit} bytes: send a smaller request, or start the server with a larger "
+            "--max-request-bytes")
 
 
 def api_key_from(arg: Optional[str]) -> Optional[str]:

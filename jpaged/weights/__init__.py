@@ -1,6 +1,6 @@
 """Weights I/O: model files in, `LoadedModel` (config, parameter pytree, tokenizer) out.
 
-`load_model(path)` reads a GGUF file (`loader.load_gguf`, dequantized), a HF Llama checkpoint
+`load_model(path)` reads a GGUF file (`loader.load_gguf`, dequantized), a HF checkpoint
 directory (`loader.load_hf_dir`) or a jpaged orbax checkpoint (`checkpoint.load`, written by
 `checkpoint.save` / `jpaged convert`); `path=None` is the embedded default model. Builds the
 parameter layout of `jpaged.device.params`; imports nothing above the device side.
@@ -15,12 +15,13 @@ import pathlib
 import jax.numpy as jnp
 
 from jpaged.device.config import ModelConfig
-from jpaged.weights import checkpoint
+from jpaged.weights import checkpoint, families
 from jpaged.weights.loader import LoadedModel, default_model_path, gguf_config, hf_config, load_gguf, load_hf_dir
 
 __all__ = ["LoadedModel", "default_model_path", "load_model", "read_config"]
 
-_EXPECTED = "expected a .gguf file or a directory with config.json and *.safetensors (Llama family)"
+_EXPECTED = ("expected a .gguf file or a directory with config.json and *.safetensors (model_type one of "
+             f"{', '.join(families.SUPPORTED)})")
 
 
 def _kind(path: pathlib.Path) -> str:
@@ -71,8 +72,8 @@ def read_config(path: str | os.PathLike | None = None) -> ModelConfig:
 
 
 def load_model(path: str | os.PathLike | None = None, dtype=jnp.float32) -> LoadedModel:
-    """Loads a `.gguf` file, a HF Llama checkpoint directory (config.json + *.safetensors,
-    possibly sharded), a jpaged checkpoint or, with `path=None`, the default model. Raises
+    """Loads a `.gguf` file, a HF checkpoint directory of a supported family (`families.SUPPORTED`;
+    config.json + *.safetensors, possibly sharded), a jpaged checkpoint or, with `path=None`, the default model. Raises
     ValueError naming `path` for anything else."""
     path = default_model_path() if path is None else pathlib.Path(path)
     kind = _kind(path)

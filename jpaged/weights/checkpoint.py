@@ -80,7 +80,6 @@ def save(loaded: LoadedModel, directory: str | os.PathLike) -> pathlib.Path:
 def load(directory: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
     """Reads a directory written by `save`; params are cast to `dtype`."""
     import orbax.checkpoint as ocp
-    import transformers
 
     directory = pathlib.Path(directory).absolute()
     if not is_checkpoint(directory):
@@ -98,10 +97,26 @@ def load(directory: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
         raise ValueError(f"{directory / 'params'}: cannot restore the parameters ({_reason(e)}): the checkpoint is "
                          "damaged: convert the model again (jpaged convert)") from None
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(directory / "tokenizer")
+        tokenizer = _load_tokenizer(directory / "tokenizer")
     except (OSError, ValueError) as e:
         raise ValueError(f"{directory / 'tokenizer'}: no usable tokenizer files ({' '.join(str(e).split())})") from e
     return LoadedModel(config, cast_params(params, dtype), tokenizer, directory)
+
+
+def _load_tokenizer(path: pathlib.Path):
+    """The saved tokenizer: a `PreTrainedTokenizerFast` where its config names that class (what the GGUF
+    loader builds; transformers 5 saves it as `TokenizersBackend`), without `AutoTokenizer`, whose class
+    registry imports torch (1.7 s of the 6.6 s an `LLM(model=<the default model's checkpoint>)` took, against
+    4.0-4.5 s from the GGUF file); any other class through `AutoTokenizer`."""
+    import transformers
+
+    try:
+        named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return transformers.PreTrainedTokenizerFast.from_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path)
 
 
 def _reason(error: BaseException) -> str:

@@ -1,4 +1,4 @@
-"""Model files -> `LoadedModel` (ModelConfig, LlamaParams, tokenizer): GGUF files and HF Llama
+"""Model files -> `LoadedModel` (ModelConfig, LlamaParams, tokenizer): GGUF files and HF
 checkpoint directories (`load_gguf`, `load_hf_dir`; `jpaged.weights.load_model` picks one).
 
 Both formats are first read into one intermediate form, a dict of numpy arrays keyed by

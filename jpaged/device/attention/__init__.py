@@ -95,8 +95,9 @@ def get_backend(name: str = "auto", *, interpret: bool = False) -> AttentionBack
     if name == "pallas":
         if not interpret and jax.default_backend() != "gpu":
             raise ValueError(f"the Pallas kernels compile for a GPU only, and this machine runs JAX on "
-                             f"{jax.default_backend()!r}: use attention_backend='auto' or 'xla' here (or "
-                             "interpret=True, which runs the kernels in the slow Pallas interpreter, for tests)")
+                             f"{jax.default_backend()!r}: use attention_backend='auto' or 'xla' here (the CLI's "
+                             "--attention-backend), or interpret=True (--interpret), which runs the kernels in the "
+                             "slow Pallas interpreter, for tests")
         from jpaged.device.attention.pallas import PallasBackend
 
         return PallasBackend(interpret=interpret)
