@@ -73,8 +73,8 @@ def read_config(path: str | os.PathLike | None = None) -> ModelConfig:
 
 def load_model(path: str | os.PathLike | None = None, dtype=jnp.float32) -> LoadedModel:
     """Loads a `.gguf` file, a HF checkpoint directory of a supported family (`families.SUPPORTED`;
-    config.json + *.safetensors, possibly sharded), a jpaged checkpoint or, with `path=None`, the default model. Raises
-    ValueError naming `path` for anything else."""
+    config.json + *.safetensors, possibly sharded), a jpaged checkpoint or, with `path=None`, the
+    default model. Raises ValueError naming `path` for anything else."""
     path = default_model_path() if path is None else pathlib.Path(path)
     kind = _kind(path)
     if kind == "gguf":

@@ -106,8 +106,9 @@ def load(directory: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
 def _load_tokenizer(path: pathlib.Path):
     """The saved tokenizer: a `PreTrainedTokenizerFast` where its config names that class (what the GGUF
     loader builds; transformers 5 saves it as `TokenizersBackend`), without `AutoTokenizer`, whose class
-    registry imports torch (1.7 s of the 6.6 s an `LLM(model=<the default model's checkpoint>)` took, against
-    4.0-4.5 s from the GGUF file); any other class through `AutoTokenizer`."""
+    registry imports torch: `LLM(model=<the default model's checkpoint>)` in a fresh process, import
+    included, took 6.2-6.8 s through it (1.7 s of them that import) and takes 4.0-4.2 s without it, the
+    GGUF file's 3.8-4.7 (AMD EPYC, 2 cores). Any other class goes through `AutoTokenizer`."""
     import transformers
 
     try:
