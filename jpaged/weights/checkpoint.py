@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jpaged.device.config import ModelConfig
 from jpaged.device.params import abstract_params, cast_params
-from jpaged.weights.loader import LoadedModel
+from jpaged.weights.loader import LoadedModel, load_tokenizer_dir
 
 FORMAT, VERSION = "jpaged-checkpoint", 1
 MANIFEST = "jpaged.json"
@@ -96,28 +96,7 @@ def load(directory: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
     except Exception as e:  # noqa: BLE001 - orbax's own errors: missing, truncated or mismatched arrays
         raise ValueError(f"{directory / 'params'}: cannot restore the parameters ({_reason(e)}): the checkpoint is "
                          "damaged: convert the model again (jpaged convert)") from None
-    try:
-        tokenizer = _load_tokenizer(directory / "tokenizer")
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{directory / 'tokenizer'}: no usable tokenizer files ({' '.join(str(e).split())})") from e
-    return LoadedModel(config, cast_params(params, dtype), tokenizer, directory)
-
-
-def _load_tokenizer(path: pathlib.Path):
-    """The saved tokenizer: a `PreTrainedTokenizerFast` where its config names that class (what the GGUF
-    loader builds; transformers 5 saves it as `TokenizersBackend`), without `AutoTokenizer`, whose class
-    registry imports torch: `LLM(model=<the default model's checkpoint>)` in a fresh process, import
-    included, took 6.2-6.8 s through it (1.7 s of them that import) and takes 4.0-4.2 s without it, the
-    GGUF file's 3.8-4.7 (AMD EPYC, 2 cores). Any other class goes through `AutoTokenizer`."""
-    import transformers
-
-    try:
-        named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
-        named = None
-    if named in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-        return transformers.PreTrainedTokenizerFast.from_pretrained(path)
-    return transformers.AutoTokenizer.from_pretrained(path)
+    return LoadedModel(config, cast_params(params, dtype), load_tokenizer_dir(directory / "tokenizer"), directory)
 
 
 def _reason(error: BaseException) -> str:
