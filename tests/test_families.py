@@ -126,6 +126,24 @@ def test_family_greedy_matches_hf_generate(family_models, default_model, name, b
         assert out.outputs[0].token_ids == hf_greedy(model, prompt_ids, 20), f"{name}: prompt {prompt_ids[:4]}..."
 
 
+@pytest.mark.parametrize("name", ["llama3", "gemma2"])
+def test_self_drafting_under_swap_preemption_gives_hfs_greedy_tokens(family_models, default_model, name):
+    """Self-drafting runs the model's first layers on the pool: it drafts only once the step's swaps and
+    copies are applied (a block swapped out this step may already be another sequence's lookahead
+    block, written by the draft). Swap preemption in a pool too small for the four requests."""
+    directory, model = family_models[name]
+    llm = LLM(model=str(directory), block_size=4, num_blocks=40, preemption_mode="swap", swap_space=0.01,
+              speculative_method="draft-layers", num_speculative_tokens=4, watermark=0.0)
+    prompts = ["Hi", *PROMPTS[:2], " ".join(["one two three four five six seven eight nine ten"] * 5)]
+    ids = [list(default_model.tokenizer(p).input_ids) for p in prompts]
+    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_decode"]["num_proposed"] > 0, stats
+    for prompt_ids, out in zip(ids, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt_ids, 40), f"{name}: prompt {prompt_ids[:4]}..."
+    assert stats["num_free_blocks"] == llm.engine.num_blocks - 1 and stats["num_used_cpu_blocks"] == 0
+
+
 # ---------------------------------------------------------------- what jpaged does not implement
 
 def _config_dir(tmp_path, config: dict):

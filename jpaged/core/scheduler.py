@@ -141,8 +141,11 @@ class SchedulerOutput:
     finished: list[SequenceGroup]  # groups the scheduler ended (could not grow alone)
     # speculative decoding: seq_id -> (the row of its last token, its draft tokens); draft j sits in row
     # `row + 1 + j` (a row of one token whose logits verify it; `row_seqs` empty), at the lookahead slot
-    # after the sequence's tokens. A sequence's new tokens: `commit_drafts` once verified.
+    # after the sequence's tokens. A sequence's new tokens: `commit_drafts` once verified. Filled by
+    # `Scheduler.propose_drafts` from `lookahead` (seq_id -> lookahead slots granted, appended already),
+    # once the step's block operations are applied.
     drafts: dict = dataclasses.field(default_factory=dict)
+    lookahead: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -153,7 +156,8 @@ class Scheduler:
     """See the module docstring. Speculative decoding (`num_speculative_tokens` > 0): `proposer`
     (`jpaged.core.proposer`; given here or set later, before the first step) drafts for the sequences
     granted lookahead slots, none past `max_model_len` (the context) or past what its request may still
-    generate."""
+    generate; the engine asks for the drafts (`propose_drafts`) once the step's block operations are
+    applied."""
 
     def __init__(self, block_manager: KVCacheManager, config: SchedulerConfig, *,
                  proposer: Optional[Proposer] = None, max_model_len: Optional[int] = None):
@@ -409,7 +413,7 @@ class Scheduler:
         """One batch under the token budget: decode rows, then chunks of running prompts, then
         newly admitted groups' chunks (the module docstring)."""
         out = self._schedule_decode()
-        budget = self.config.max_num_batched_tokens - len(out.rows)
+        budget = self.config.max_num_batched_tokens - len(out.rows) - sum(out.lookahead.values())  # drafts' rows
         head = True  # the step's first prefilling group always progresses
         for group in [g for g in out.groups if g.num_computed_tokens]:  # in arrival order
             budget -= self._schedule_chunk(group, budget, head, out)
@@ -529,21 +533,41 @@ class Scheduler:
         if appends:
             self.block_manager, append_ops = self.block_manager.append(appends, lookahead=lookahead)
             ops += append_ops
-        drafts = self._propose(decoding, lookahead)
+        seqs = [s for g in decoding for s in g.live_seqs]
+        rows = [self._row(seq, seq.num_tokens - 1, seq.num_tokens) for seq in seqs]
+        return SchedulerOutput(True, rows, [[s] for s in seqs], scheduled, ops, preempted, finished,
+                               lookahead=lookahead)
+
+    def propose_drafts(self, out: SchedulerOutput) -> None:
+        """Speculative decoding's second half, called once the step's block operations (`out.ops`) are
+        applied on the device (a proposer that runs the model reads and writes the pool, which must then
+        hold what the step's sequences hold: a block swapped out this step may already be another's
+        lookahead block, and a sequence swapped in reads its blocks). Asks the proposer for the drafts of
+        the sequences granted lookahead slots (`out.lookahead`) and puts each sequence's draft rows right
+        after its own row (`out.drafts`); a sequence given no drafts gives its slots back at once. The
+        other rows (a ragged step's chunks) stay as they are; the token budget held the granted slots."""
+        if not out.lookahead:
+            return
+        seqs = [r[0] for r in out.row_seqs if len(r) == 1 and r[0].seq_id in out.lookahead]  # one row each
+        drafts = self._propose(seqs, out.lookahead)
         rows, row_seqs, spec = [], [], {}
-        for group in decoding:
-            for seq in group.live_seqs:
-                if seq.seq_id in drafts:
-                    spec[seq.seq_id] = (len(rows), drafts[seq.seq_id])
-                rows.append(self._row(seq, seq.num_tokens - 1, seq.num_tokens))
-                row_seqs.append([seq])
-                for j, token in enumerate(drafts.get(seq.seq_id, ())):  # at the lookahead slots
-                    position = seq.num_tokens + j
-                    rows.append(Row(token_ids=[token], start_position=position,
-                                    slots=self.block_manager.slot_mapping(seq.seq_id, position, position + 1),
-                                    block_table=self.block_manager.block_table(seq.seq_id)))
-                    row_seqs.append([])
-        return SchedulerOutput(True, rows, row_seqs, scheduled, ops, preempted, finished, spec)
+        for row, targets in zip(out.rows, out.row_seqs):
+            seq = targets[0] if len(targets) == 1 and targets[0].seq_id in out.lookahead else None
+            if seq is None:
+                rows.append(row)
+                row_seqs.append(targets)
+                continue
+            if seq.seq_id in drafts:
+                spec[seq.seq_id] = (len(rows), drafts[seq.seq_id])
+            rows.append(self._row(seq, seq.num_tokens - 1, seq.num_tokens))  # its table after `_propose`
+            row_seqs.append(targets)
+            for j, token in enumerate(drafts.get(seq.seq_id, ())):  # at the lookahead slots
+                position = seq.num_tokens + j
+                rows.append(Row(token_ids=[token], start_position=position,
+                                slots=self.block_manager.slot_mapping(seq.seq_id, position, position + 1),
+                                block_table=self.block_manager.block_table(seq.seq_id)))
+                row_seqs.append([])
+        out.rows, out.row_seqs, out.drafts = rows, row_seqs, spec
 
     def _grant_lookahead(self, decoding: list[SequenceGroup], free: list[int]) -> dict[int, int]:
         """Lookahead slots for the decoding sequences' drafts (speculative decoding), in arrival order,
@@ -576,13 +600,10 @@ class Scheduler:
                 granted[seq.seq_id] = n
         return granted
 
-    def _propose(self, decoding: list[SequenceGroup], lookahead: dict[int, int]) -> dict[int, list[int]]:
-        """The proposer's drafts for the sequences granted lookahead slots (appended already):
+    def _propose(self, seqs: list[Sequence], lookahead: dict[int, int]) -> dict[int, list[int]]:
+        """The proposer's drafts for `seqs`, granted lookahead slots (`lookahead`, appended already):
         seq_id -> drafts, at most its slots, none empty (a sequence given none gives its slots back;
         the others' unused slots go back with `commit_drafts`)."""
-        if not lookahead:
-            return {}
-        seqs = [s for g in decoding for s in g.live_seqs if s.seq_id in lookahead]
         requests = []
         for seq in seqs:
             start = seq.num_tokens - 1  # the draft inputs: the last token, then the drafts but the last

@@ -547,6 +547,7 @@ class LLMEngine:
         self.runner.swap_out(out.ops.swap_out)
         self.runner.swap_in(out.ops.swap_in)
         self.runner.copy_blocks(out.ops.copy_pairs)
+        self.scheduler.propose_drafts(out)  # once the pool holds what the step's sequences hold
         inputs = self.runner.make_inputs(out.rows, decode=out.is_decode, shapes=self.shapes)
         if previous is not None:  # a decode step over `previous`'s sequences: row (= packed token) i is row_seqs[i]
             sample_of = {seq.seq_id: i for entries in previous.by_group.values() for seq, i in entries}
