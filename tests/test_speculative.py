@@ -233,6 +233,30 @@ def test_speculation_takes_fewer_steps_on_a_copy_and_seeded_sampling_is_reproduc
     assert llm.engine.stats()["num_free_blocks"] == llm.engine.num_blocks - 1
 
 
+def test_seeded_samples_are_the_same_with_speculation_on_or_off_alone_or_in_a_batch(make_llm, copy_mix):
+    """A sampled position draws its token with its own key whether a draft sits there or not (the draft
+    is accepted when it is that token): a seeded request's tokens depend neither on how many drafts it
+    gets, which the other requests' blocks and the token budget decide, nor on speculation itself."""
+    prompts = [copy_mix[0][1], copy_mix[0][0], *copy_mix[0][2:]]  # the first: a copy its samples follow
+    seeded = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def samples(llm, with_others: bool):
+        outs = llm.generate(prompts if with_others else prompts[:1],
+                            [seeded] + [greedy] * (len(prompts) - 1) if with_others else seeded, use_tqdm=False)
+        return [c.token_ids for c in outs[0].outputs]
+
+    plain = samples(make_llm(num_blocks=256), False)
+    assert len(plain) == 2 and plain[0] != plain[1]
+    spec = make_llm(num_blocks=256, speculative_method="ngram", num_speculative_tokens=4)
+    assert samples(spec, False) == plain
+    assert spec.engine.stats()["spec_decode"]["num_accepted"] > 0
+    tight = make_llm(num_blocks=48, max_num_batched_tokens=64, speculative_method="ngram",
+                     num_speculative_tokens=4, watermark=0.0)
+    assert samples(tight, True) == plain
+    assert tight.engine.stats()["num_free_blocks"] == tight.engine.num_blocks - 1
+
+
 def test_bad_speculative_settings_are_refused_before_loading(make_llm):
     with pytest.raises(ValueError, match="num_speculative_tokens >= 1"):
         make_llm(speculative_method="ngram")

@@ -10,10 +10,13 @@ A proposer (`Proposer`) is asked, once a step, for the drafts of every sequence 
 slots (`DraftRequest`: the sequence, the most drafts it may take, and where the K/V of the draft
 inputs goes: a proposer that runs a model, such as self-drafting, `jpaged.engine.draft`, writes its
 layers' K/V there, and the verification rewrites them); it returns at most that many draft tokens per
-sequence, possibly none. Its proposals are deterministic (a point mass), which is
-what makes the sampler's acceptance rule exact: a draft d is accepted with the target's probability
-p(d), and a rejected position draws from p with d removed, so every emitted token follows the target
-distribution (Leviathan et al., 2023, with q = the point mass on d).
+sequence, possibly none. Proposers are asked once the step's block operations (swaps, copies) are
+applied on the device (`Scheduler.propose_drafts`), so one that runs the model reads the pool as the
+step does. Its proposals are deterministic (a point mass), which is what makes the sampler's
+acceptance rule exact: a position draws its token from the target distribution p as it would without
+a draft, and the draft d is accepted when it is that token, with probability p(d); a rejection emits a
+token of p with d removed, so every emitted token follows p (Leviathan et al., 2023, with q = the point
+mass on d, coupled to the draw made without speculation).
 
 `NgramProposer`: prompt lookup (vLLM's `ngram` method; llama.cpp's lookup decoding): the longest
 suffix of the sequence, between `prompt_lookup_min` and `prompt_lookup_max` tokens, that occurred

@@ -9,10 +9,13 @@ distribution (log_softmax of the logits, before temperature and filtering), as v
 
 Draft verification (`SamplingInputs.draft` >= 0: the row's logits score a proposed token d, a point
 mass, `jpaged.core.proposer`): greedy rows accept d when it is the argmax (and give the argmax);
-random rows accept d with probability p(d) under the row's filtered, tempered distribution p (a
-uniform drawn with `fold_in(key, 1)`), else draw from p with d removed and renormalized (the row's
-own key), so the token emitted follows p exactly (standard speculative sampling with q = the point
-mass on d). Rows without a draft draw exactly as they would without speculation.
+random rows draw their token t from the row's filtered, tempered distribution p with the row's own
+key, exactly as without a draft, and accept d when t == d (else t is the correction token). That is
+standard speculative sampling with q = the point mass on d, coupled: d is accepted with probability
+p(d), a rejection emits a token of p without d, renormalized, so the token emitted follows p exactly;
+and it is the very token the row draws without speculation, so a seeded request's tokens depend
+neither on which of its positions had drafts nor on what else shared the step (whose blocks and
+token budget decide how many drafts a sequence gets).
 
 Structured output (`SamplingInputs.allowed`): a constrained row draws only among its allowed tokens
 (the others' logits -inf before temperature and filtering); log-probabilities stay the raw model's.
@@ -194,17 +197,9 @@ def sample(logits, rows, params: SamplingInputs, *, num_top: int = 1, use_filter
         if use_filter:
             scaled = filter_top_k_top_p(scaled, params.top_k, params.top_p)
         keys = jax.vmap(row_key)(params.seed, params.sample_index, params.step)
-        draft = jnp.maximum(draft, 0)
-        p_draft = jnp.take_along_axis(jax.nn.softmax(scaled, axis=-1), draft[:, None], axis=-1)[:, 0]
-        u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys)
-        accept = has_draft & (u < p_draft)
-        # a rejected draft: p without it (rows without a draft keep p, and draw as without speculation)
-        removed = has_draft[:, None] & (jnp.arange(scaled.shape[-1])[None, :] == draft[:, None])
-        residual = jnp.where(removed, -jnp.inf, scaled)
-        residual = jnp.where(jnp.isfinite(residual).any(axis=-1, keepdims=True), residual, scaled)
-        drawn = jnp.where(accept, draft, jax.vmap(draw)(keys, residual))
+        drawn = jax.vmap(draw)(keys, scaled)  # with a draft or without: the row's own draw from p
         token_ids = jnp.where(params.temperature > 0, drawn, token_ids)
-        accepted = jnp.where(params.temperature > 0, accept, accepted)
+        accepted = jnp.where(params.temperature > 0, has_draft & (drawn == draft), accepted)
     token_ids = token_ids.astype(jnp.int32)
     chosen = logprob(logits[rows, token_ids], rows)
     if num_top:  # per logits row, then per sample row; the top 1 is the argmax (lax.top_k also puts
