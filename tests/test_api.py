@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from conftest import LLM_NUM_BLOCKS, chat_token_ids
@@ -79,16 +80,30 @@ def test_prompt_larger_than_kv_pool_is_rejected(make_llm):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
-    (dict(temperature=-1), r"temperature must be >= 0 \(0 = greedy\), got -1"),
+    (dict(temperature=-1), r"temperature must be a number >= 0 \(0 = greedy\), got -1"),
     (dict(top_p=0), r"top_p must be in \(0, 1\], got 0"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
-    (dict(top_k=-2), r"top_k must be an integer >= 0 \(0 or -1 = off\), got -2"),
+    (dict(top_k=-2), r"top_k must be an integer in \[0, 2\*\*31\) \(0 or -1 = off\), got -2"),
+    (dict(top_k=2**31), r"top_k must be an integer in \[0, 2\*\*31\)"),
     (dict(seed=-3), r"seed must be None or an integer in \[0, 2\*\*32\)"),
     (dict(n=0), "n must be an integer >= 1"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_numpy_scalars_are_numbers_in_sampling_params(llm):
+    """NumPy's integers and floats pass where Python's do and are kept as Python's: the same request."""
+    ours = SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9), top_k=np.int32(20),
+                          max_tokens=np.int64(6), seed=np.uint32(3), n=np.int16(2), logprobs=np.int8(1))
+    python = SamplingParams(temperature=0.5, top_p=0.9, top_k=20, max_tokens=6, seed=3, n=2, logprobs=1)
+    assert ours == python and type(ours.max_tokens) is int and type(ours.temperature) is float
+    outputs = [[c.token_ids for c in llm.generate(["Name a color."], p, use_tqdm=False)[0].outputs]
+               for p in (ours, python)]
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 2
+    with pytest.raises(ValueError, match="max_tokens must be an integer"):
+        SamplingParams(max_tokens=np.float64(4.0))
 
 
 def test_sampling_params_list_must_match_prompts(llm):
@@ -118,6 +133,10 @@ def test_bad_engine_config(default_model):
         LLM(loaded=default_model, block_size=12)
     with pytest.raises(ValueError, match=r"num_blocks must be an integer >= 2 \(block 0 is the reserved null block\)"):
         LLM(loaded=default_model, num_blocks=1)
+    with pytest.raises(ValueError, match=r"block_size must be a power of two \(e.g. 16\), got True"):
+        LLM(loaded=default_model, block_size=True)  # (a bool is no integer here)
+    with pytest.raises(ValueError, match="max_num_seqs must be"):
+        LLM(loaded=default_model, max_num_seqs=True)
 
 
 def test_bad_model_paths(tmp_path):

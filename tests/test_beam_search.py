@@ -80,3 +80,17 @@ def test_beams_share_blocks_as_a_tree(beam_llm, beam_prompts):
             bm.check_invariants()
     assert shared_seen
     assert engine.stats()["num_free_blocks"] == engine.num_blocks - 1
+
+
+@pytest.mark.parametrize("length_penalty", [400.0, -400.0])
+def test_length_penalties_past_the_float_range_do_not_fail_the_step(beam_llm, beam_prompts, length_penalty):
+    """gen_len ** length_penalty overflows (or underflows to 0) here: the scores follow float arithmetic
+    (-0.0, or -inf) instead of raising in the step, which would fail every request in it."""
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = beam_llm.generate([beam_prompts[1]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    beams, plain = beam_llm.generate(beam_prompts[:2], [
+        SamplingParams(beam_width=2, length_penalty=length_penalty, max_tokens=8), greedy], use_tqdm=False)
+    assert len(beams.outputs) == 2 and all(o.token_ids and o.finish_reason in ("stop", "length")
+                                           for o in beams.outputs), beams.outputs
+    assert plain.outputs[0].token_ids == alone and plain.outputs[0].finish_reason == "length"
+    assert beam_llm.engine.stats()["num_free_blocks"] == beam_llm.engine.num_blocks - 1

@@ -23,7 +23,7 @@ from jpaged import SamplingParams
 from jpaged.core.sequence import GroupStatus
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 
 def chats(llm, texts):
@@ -76,6 +76,12 @@ def bad_requests(llm):
         ("None as prompt", add(None), "a prompt must be a string or a list of token ids, got NoneType"),
         ("bytes as prompt", add(b"hello"), "a prompt must be a string or a list of token ids, got bytes"),
         ("floats as token ids", add([1.0, 2.0]), "a prompt must be a string or a list of token ids"),
+        ("bools as token ids", add([True, False]), "a prompt must be a string or a list of token ids"),
+        ("no ids in a prompt dict", add({"prompt_token_ids": None}), "prompt_token_ids must be a list of token "
+         "ids, got NoneType"),
+        ("text as ids in a prompt dict", add({"prompt_token_ids": "hello"}), "prompt_token_ids must be a list"),
+        ("arrival time not a number", lambda: engine.add_request("bad", prompt, None, "abc"),
+         "arrival_time must be None or a number"),
         ("longer than the context", add([42] * context), f"the model's context is {context}"),
         ("larger than the KV pool", add([42] * (16 * engine.num_blocks)), "KV blocks of 16 tokens but the pool has"),
         ("n < 1", lambda: params(n=0), "n must be an integer >= 1"),
@@ -89,9 +95,10 @@ def bad_requests(llm):
         ("beam search with stop strings", lambda: params(beam_width=2, stop=["x"]), "stop strings are not supported"),
         ("top_p of 0", lambda: params(top_p=0), r"top_p must be in \(0, 1\]"),
         ("top_p above 1", lambda: params(top_p=1.5), r"top_p must be in \(0, 1\]"),
-        ("negative top_k", lambda: params(top_k=-2), "top_k must be an integer >= 0"),
-        ("negative temperature", lambda: params(temperature=-0.5), "temperature must be >= 0"),
-        ("NaN temperature", lambda: params(temperature=float("nan")), "temperature must be >= 0"),
+        ("negative top_k", lambda: params(top_k=-2), "top_k must be an integer in \\[0, 2"),
+        ("top_k past int32", lambda: params(top_k=2**31), "top_k must be an integer in \\[0, 2"),
+        ("negative temperature", lambda: params(temperature=-0.5), "temperature must be a number >= 0"),
+        ("NaN temperature", lambda: params(temperature=float("nan")), "temperature must be a number >= 0"),
         ("max_tokens of 0", lambda: params(max_tokens=0), "max_tokens must be an integer >= 1"),
         ("max_tokens not an integer", lambda: params(max_tokens=1.5), "max_tokens must be an integer >= 1"),
         ("stop as a number", lambda: params(stop=5), "stop must be a string or a list of non-empty strings"),

@@ -26,7 +26,8 @@ def reference_filter(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray
     return out
 
 
-@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (1, 1.0), (5, 1.0), (0, 0.5), (0, 0.9), (40, 0.8), (3, 0.01)])
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (1, 1.0), (5, 1.0), (0, 0.5), (0, 0.9), (40, 0.8), (3, 0.01),
+                                          (0, 1e-38), (0, 1e-45)])  # (a subnormal top_p: the top token stays)
 def test_filter_matches_sort_reference(top_k, top_p):
     rng = np.random.default_rng(top_k * 100 + int(top_p * 10))
     logits = (rng.standard_normal((4, 1000)) * 3).astype(np.float32)

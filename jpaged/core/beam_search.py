@@ -21,6 +21,7 @@ same `length_penalty` and `early_stopping` semantics, rewritten over the paged b
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Collection, Sequence as Seq
 from typing import Any
 
@@ -58,8 +59,19 @@ class Candidate:
     score: float
 
     def hypothesis(self, gen_len: int, length_penalty: float, reason: str) -> Hypothesis:
-        return Hypothesis(self.score / gen_len ** length_penalty, (*self.parent.output_token_ids, self.token_id),
-                          self.score, reason)
+        return Hypothesis(length_normalized(self.score, gen_len, length_penalty),
+                          (*self.parent.output_token_ids, self.token_id), self.score, reason)
+
+
+def length_normalized(score: float, length: int, length_penalty: float) -> float:
+    """`score / length ** length_penalty` (HF's), as float arithmetic has it where the power leaves the
+    float range (a large |length_penalty|): past it, the power is inf and the result -0.0 (scores are
+    sums of log-probabilities, <= 0); under it, the power is 0.0 and the result -inf."""
+    try:
+        power = float(length) ** length_penalty
+    except OverflowError:
+        power = math.inf
+    return score / power if power else -math.inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +127,8 @@ def step(state: BeamState, params: SamplingParams, beams: Seq[tuple[Sequence, An
     improvable = state.improvable
     if chosen:
         never = params.early_stopping == "never" and params.length_penalty > 0
-        best_possible = chosen[0].score / (params.max_tokens if never else gen_len) ** params.length_penalty
+        best_possible = length_normalized(chosen[0].score, params.max_tokens if never else gen_len,
+                                          params.length_penalty)
         worst = finished[-1].score if len(finished) == k else -1e9
         improvable = improvable and best_possible > worst
     done = not chosen or not improvable or (len(finished) == k and params.early_stopping is True)

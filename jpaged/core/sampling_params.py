@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Optional, Sequence
 
 from jpaged.core.structured_output import StructuredOutputsParams
@@ -59,12 +60,12 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _check(_is_number(self.temperature) and self.temperature >= 0,
-               f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+               f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         if _is_int(self.top_k) and self.top_k == -1:  # vLLM's other spelling of off
             object.__setattr__(self, "top_k", 0)
-        _check(_is_int(self.top_k) and self.top_k >= 0,
-               f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
+        _check(_is_int(self.top_k) and 0 <= self.top_k < 2**31,
+               f"top_k must be an integer in [0, 2**31) (0 or -1 = off), got {self.top_k!r}")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**32),
@@ -77,6 +78,11 @@ class SamplingParams:
         _check(_is_number(self.length_penalty), f"length_penalty must be a number, got {self.length_penalty!r}")
         _check(self.early_stopping in (True, False, "never"),
                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        for name in ("n", "top_k", "max_tokens", "seed", "logprobs", "beam_width"):  # NumPy's as Python's
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
+        for name in ("temperature", "top_p", "length_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
         if self.use_beam_search:
             _check(self.structured_outputs is None, "structured outputs are not supported with beam search: "
                    "use n=1 (greedy or sampled) with structured_outputs")
@@ -104,11 +110,13 @@ class SamplingParams:
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An integer, NumPy's included; not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite real number, NumPy's included; not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _check(ok: bool, message: str) -> None:

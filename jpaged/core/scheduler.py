@@ -99,13 +99,13 @@ class SchedulerConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', not {self.preemption_mode!r}")
-        if not (isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1):
+        if not (type(self.max_num_seqs) is int and self.max_num_seqs >= 1):
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
-        if not (isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1):
+        if not (type(self.max_num_batched_tokens) is int and self.max_num_batched_tokens >= 1):
             raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
-        if not (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 0):
+        if not (type(self.num_speculative_tokens) is int and self.num_speculative_tokens >= 0):
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
-        if not (isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0):
+        if not (type(self.long_prefill_token_threshold) is int and self.long_prefill_token_threshold >= 0):
             raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0: no cap), got "
                              f"{self.long_prefill_token_threshold!r}")
 

@@ -127,6 +127,7 @@ def filter_top_k_top_p(logits, top_k, top_p):
     probs = jax.nn.softmax(logits, axis=-1)
     nucleus = _bisect_threshold(
         logits, lambda keep: jnp.sum(jnp.where(keep, probs, 0.0), axis=-1, keepdims=True) >= top_p[:, None])
+    nucleus = jnp.minimum(nucleus, jnp.max(logits, axis=-1, keepdims=True))  # the top token stays (a top_p of ~0)
     return jnp.where((logits >= nucleus) | (top_p[:, None] >= 1.0), logits, -jnp.inf)
 
 

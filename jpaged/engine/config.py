@@ -106,7 +106,7 @@ class EngineConfig:
 
     def __post_init__(self):
         b = self.block_size
-        if not (isinstance(b, int) and b >= 1 and b & (b - 1) == 0):
+        if not (type(b) is int and b >= 1 and b & (b - 1) == 0):
             raise ValueError(f"block_size must be a power of two (e.g. 16), got {b!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
@@ -114,17 +114,17 @@ class EngineConfig:
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(map(repr, BACKENDS))}, "
                              f"got {self.attention_backend!r}")
-        if self.num_blocks is not None and not (isinstance(self.num_blocks, int) and self.num_blocks >= 2):
+        if self.num_blocks is not None and not (type(self.num_blocks) is int and self.num_blocks >= 2):
             raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the reserved null block), "
                              f"got {self.num_blocks!r}")
         _check_memory_size(self.kv_cache_memory)
         if not (isinstance(self.swap_space, (int, float)) and self.swap_space >= 0):
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
-        if self.max_model_len is not None and not (isinstance(self.max_model_len, int) and self.max_model_len >= 2):
+        if self.max_model_len is not None and not (type(self.max_model_len) is int and self.max_model_len >= 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         tp, dp = self.tensor_parallel_size, self.data_parallel_size
         for name, size in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
-            if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+            if not (type(size) is int and size >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
         if self.quantization is not None and (self.sharding is not None or tp * dp > 1):
             raise ValueError(f"quantization={self.quantization!r} runs on one device: use tensor_parallel_size=1 and "
@@ -152,7 +152,7 @@ class EngineConfig:
             check_method(self.speculative_method)
             if self.speculative_method == "ngram":
                 self.ngram_proposer()
-            if not (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1):
+            if not (type(self.num_speculative_tokens) is int and self.num_speculative_tokens >= 1):
                 raise ValueError("speculative decoding needs num_speculative_tokens >= 1 (--num-speculative-tokens "
                                  f"K), got {self.num_speculative_tokens!r}")
         elif self.num_speculative_tokens:
@@ -160,7 +160,7 @@ class EngineConfig:
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         layers = self.speculative_draft_layers
-        if layers is not None and not (isinstance(layers, int) and layers >= 1):
+        if layers is not None and not (type(layers) is int and layers >= 1):
             raise ValueError(f"speculative_draft_layers must be an integer >= 1, got {layers!r}")
 
     def ngram_proposer(self) -> NgramProposer:

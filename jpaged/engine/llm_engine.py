@@ -27,6 +27,7 @@ import functools
 import gc
 import itertools
 import logging
+import math
 import operator
 import pathlib
 import threading
@@ -314,13 +315,17 @@ class LLMEngine:
             text = prompt.get("prompt")
             if "prompt_token_ids" not in prompt:
                 return self.tokenize(text)
-            return text, self.tokenize(list(prompt["prompt_token_ids"]))[1]
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple, np.ndarray)):
+                raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
+            return text, self.tokenize(ids)[1]
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("prompt is empty: give at least one non-blank character")
             prompt = valid_text(prompt)
             return prompt, list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, (list, tuple, np.ndarray)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+        if isinstance(prompt, (list, tuple, np.ndarray)) and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
             ids = [int(t) for t in prompt]
             if not ids:
                 raise ValueError("prompt is empty: give at least one token id")
@@ -386,6 +391,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if arrival_time is not None and not (isinstance(arrival_time, (int, float))
+                                             and not isinstance(arrival_time, bool) and math.isfinite(arrival_time)):
+            raise ValueError(f"arrival_time must be None or a number (time.monotonic()'s clock), got {arrival_time!r}")
         text, ids = self.tokenize(prompt)
         self.check_request(ids, params)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
