@@ -7,6 +7,7 @@ loads the GGUF once; one subprocess test runs the real console script end to end
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -139,6 +140,28 @@ def test_serve_refuses_bad_options_before_loading(monkeypatch, capsys, argv, mes
     code = cli.main(["serve", *argv])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and message in err and "Traceback" not in err, err
+
+
+def test_a_port_is_free_once_its_last_server_stopped_and_busy_while_one_listens():
+    """`check_listen` binds as uvicorn does: a port whose server (uvicorn, listening with SO_REUSEADDR)
+    just closed a connection, TIME_WAIT on the server's side, can be listened on again at once; a port
+    another socket listens on cannot."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port} .*pass another --port or --host"):
+            cli.check_listen("127.0.0.1", port)
+        client = socket.create_connection(("127.0.0.1", port))
+        served, _ = listener.accept()
+        served.close()  # the server's side closes first: it holds the port in TIME_WAIT
+        client.close()
+    time.sleep(0.1)
+    with pytest.raises(OSError):  # what the check once did: a plain bind
+        with socket.socket() as plain:
+            plain.bind(("127.0.0.1", port))
+    cli.check_listen("127.0.0.1", port)
 
 
 def test_serve_warms_up_by_default_with_its_time_printed(default_model, monkeypatch, capsys):

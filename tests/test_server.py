@@ -219,7 +219,7 @@ def test_bad_requests_get_400s_while_others_stream(server, reference):
         "malformed JSON": (b'{"model": "smol", "prompt": ', "not valid JSON"),
         "not an object": (b'["a list"]', "must be a JSON object"),
         "invalid temperature": (json.dumps({"model": MODEL, "prompt": "x", "temperature": -1}).encode(),
-                                "temperature must be >= 0"),
+                                "temperature must be a number >= 0"),
         "unknown field": (json.dumps({"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}).encode(),
                           "unsupported field(s) 'frequency_penalty' (accepted: frequency_penalty only as 0 or null)"),
         "prompt too long": (json.dumps({"model": MODEL, "prompt": "word " * 9000}).encode(), "the model's context"),
@@ -239,13 +239,19 @@ def test_bad_requests_get_400s_while_others_stream(server, reference):
             "include_usage": True}}).encode(), "goes with \"stream\": true"),
         "top_logprobs out of range": (json.dumps({"model": MODEL, "messages": QUESTION, "logprobs": True,
                                                   "top_logprobs": 30}).encode(), "'top_logprobs' must be"),
+        "user not a string": (json.dumps({"model": MODEL, "prompt": "x", "user": {"id": 1}}).encode(),
+                              "'user' must be a string"),
+        "n above max_num_seqs": (json.dumps({"model": MODEL, "prompt": "x", "n": 99}).encode(),
+                                 "n=99 is more sequences than the engine runs at once"),
     }
+    params = {"user not a string": "user", "n above max_num_seqs": "n", "prompt too long": "prompt"}
     for name, (body, message) in bad.items():
         path = "/v1/chat/completions" if b'"messages"' in body else "/v1/completions"
         status, text = server.raw("POST", path, body)
         error = json.loads(text)["error"]
         errors[name] = (status, error["type"])
         assert status == 400 and message in error["message"], (name, status, error)
+        assert name not in params or error["param"] == params[name], (name, error)
     status, text = server.raw("POST", "/v1/completions", json.dumps({"model": "gpt-4", "prompt": "x"}).encode())
     assert status == 404 and json.loads(text)["error"]["code"] == "model_not_found"
     # fields jpaged does not implement pass at the values that change nothing (clients send them);
@@ -254,6 +260,16 @@ def test_bad_requests_get_400s_while_others_stream(server, reference):
                "frequency_penalty": 0, "logit_bias": {}, "ignore_eos": True}
     status, text = server.raw("POST", "/v1/completions", json.dumps(neutral).encode())
     assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 16
+    # null is a field's default, as in OpenAI's API (the openai client sends it for an explicit None)
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "seed": None, "stop": None,
+             "user": None, "logprobs": None}
+    for path, body in (("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3, **nulls}),
+                       ("/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 3, **nulls,
+                                                 "top_logprobs": None})):
+        status, text = server.raw("POST", path, json.dumps(body).encode())
+        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 3, (path, text)
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=None, top_p=None,
+                                     n=None).usage.completion_tokens == 2
     with pytest.raises(openai.BadRequestError, match="top_p must be in"):
         client.completions.create(model=MODEL, prompt="hi", top_p=2.0)
     thread.join()
@@ -363,6 +379,15 @@ def test_limits_and_endpoints(server, make_llm):
         assert_all_free(small.engine)
     finally:
         small.stop()
+
+
+def test_every_gauge_shows_before_the_first_request(make_llm):
+    fresh = Running(make_llm(num_blocks=32).engine, ServerConfig(model_name=MODEL))
+    try:
+        assert [fresh.metric("jpaged_requests", state=s) for s in ("waiting", "running", "swapped")] == [0, 0, 0]
+        assert [fresh.metric("jpaged_kv_blocks", state=s) for s in ("used", "free", "cached")] == [0, 31, 0]
+    finally:
+        fresh.stop()
 
 
 def test_api_keys(make_llm):

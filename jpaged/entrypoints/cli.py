@@ -227,6 +227,22 @@ def join(args) -> None:
                            initialization_timeout=args.join_timeout)
 
 
+def check_listen(host: str, port: int) -> None:
+    """Raises ValueError, naming the flags, when `jpaged serve` could not listen on host:port. Binds as
+    uvicorn does (SO_REUSEADDR), so a port whose last server stopped a moment ago, its connections in
+    TIME_WAIT, is free; one another socket listens on is not."""
+    import socket
+
+    if not 0 < port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {port}")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): pass another --port or --host") from None
+
+
 def check_swap_space(args) -> None:
     """`--swap-space`, whatever `--preemption-mode` says (it is used only with swap)."""
     if not args.swap_space >= 0:  # NaN included
@@ -269,7 +285,6 @@ def serve(args) -> int:
     """One process: the server. Several (`--coordinator-address ...`): process 0 serves, every process
     runs its steps (`jpaged.engine.lockstep`); see `_serve_lockstep`."""
     import pathlib
-    import socket
 
     from jpaged.engine import LLMEngine
     from jpaged.entrypoints import server
@@ -282,14 +297,7 @@ def serve(args) -> int:
         server_config = server.ServerConfig(model_name=name, api_key=server.api_key_from(args.api_key),
                                             max_request_bytes=args.max_request_bytes, max_waiting=args.max_waiting,
                                             grace_period_s=args.grace_period)
-        if not 0 < args.port < 65536:
-            raise ValueError(f"--port must be in 1..65535, got {args.port}")
-        with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as probe:
-            try:
-                probe.bind((args.host, args.port))
-            except OSError as e:
-                raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}): pass another --port "
-                                 "or --host") from None
+        check_listen(args.host, args.port)
     if several:
         return _serve_lockstep(args, server_config if first else None)
     config = engine_config(args)

@@ -104,6 +104,10 @@ def parse_request(data: dict, *, chat: bool, model_name: str) -> ParsedRequest:
         raise ApiError(f"unsupported field(s) {', '.join(map(repr, unknown))}"
                        + (f" (accepted: {'; '.join(neutral)})" if neutral else "")
                        + f"; this server understands {', '.join(sorted(allowed))}", param=unknown[0])
+    data = {k: v for k, v in data.items() if v is not None}  # null is the default, as in OpenAI's API
+    user = data.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ApiError(f"'user' must be a string, got {user!r:.40}", param="user")
     model = data.get("model", model_name)
     if model != model_name:
         raise ApiError(f"the model {model!r} does not exist: this server serves {model_name!r}", status=404,
@@ -124,7 +128,7 @@ def parse_request(data: dict, *, chat: bool, model_name: str) -> ParsedRequest:
             raise ApiError("'stream_options' may only hold 'include_usage': true or false", param="stream_options")
     options = options or {}
     name = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = data.get(name)  # null is the default too
+    max_tokens = data.get(name)
     if max_tokens is None and not chat:
         max_tokens = DEFAULT_MAX_TOKENS
     max_tokens_given = max_tokens is not None
@@ -153,6 +157,15 @@ def constraint_error(message: str, field: Optional[str]) -> ApiError:
     "structured_outputs"), naming the request field that carried it when that was another one."""
     if field is not None and field != "structured_outputs":
         message = f"{message} (sent as '{field}')"
+    return ApiError(message, param=field)
+
+
+def engine_error(message: str, chat: bool) -> ApiError:
+    """A 400 for a prompt or sampling parameters the engine refused (`LLMEngine.check_request`, the
+    context, the pool), naming the field its message starts with (n, beam_width, or the prompt's)."""
+    field = next((f for f in ("n", "beam_width") if message.startswith(f + "=")), None)
+    if field is None and message.startswith(("prompt", "the prompt")):
+        field = "messages" if chat else "prompt"
     return ApiError(message, param=field)
 
 

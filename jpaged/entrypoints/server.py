@@ -108,15 +108,14 @@ class Metrics:
         self.draft_position = Gauge("jpaged_spec_decode_acceptance_rate", "Speculative decoding: the rate at "
                                     "which the draft at each position is accepted", ["position"], registry=r)
 
+    def observe_engine(self, engine: LLMEngine) -> None:
+        """The queues and the pool as they stand (before the first step: every gauge shows from the start)."""
+        self._queues_and_pool(engine.num_waiting(), len(engine.scheduler.running), len(engine.scheduler.swapped),
+                              engine.stats())
+
     def observe_step(self, engine: LLMEngine, record) -> None:
         """A step observer: the queues, the pool, the decode batch."""
-        self.requests.labels("waiting").set(record.num_waiting)
-        self.requests.labels("running").set(record.num_running)
-        self.requests.labels("swapped").set(record.num_swapped)
-        stats = record.kv.usage()
-        self.blocks.labels("used").set(stats["num_used_blocks"])
-        self.blocks.labels("free").set(stats["num_free_blocks"])
-        self.blocks.labels("cached").set(stats["num_cached_blocks"])
+        self._queues_and_pool(record.num_waiting, record.num_running, record.num_swapped, record.kv.usage())
         s = engine.scheduler
         self.hit_rate.set(s.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0)
         self.preemptions.set(s.num_preemptions)
@@ -131,6 +130,12 @@ class Metrics:
             for j, (a, p) in enumerate(zip(spec["accepted_by_position"], spec["proposed_by_position"])):
                 if p:
                     self.draft_position.labels(str(j + 1)).set(a / p)
+
+    def _queues_and_pool(self, waiting: int, running: int, swapped: int, usage: dict) -> None:
+        for state, value in (("waiting", waiting), ("running", running), ("swapped", swapped)):
+            self.requests.labels(state).set(value)
+        for state in ("used", "free", "cached"):
+            self.blocks.labels(state).set(usage[f"num_{state}_blocks"])
 
 
 class EngineLoop:
@@ -251,6 +256,7 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig(), *,
     from starlette.routing import Route
 
     metrics = Metrics()
+    metrics.observe_engine(engine)
     if engine.warm_up_summary is not None:
         metrics.warm_up_executables.set(engine.warm_up_summary.num_executables)
         metrics.warm_up_seconds.set(engine.warm_up_summary.seconds)
@@ -315,7 +321,7 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig(), *,
                 loop.abort(rid)
             if str(e).startswith("structured_outputs"):  # the constraint does not compile (engine.check_request)
                 raise api.constraint_error(str(e), parsed.constraint_field) from None
-            raise api.ApiError(str(e)) from None
+            raise api.engine_error(str(e), parsed.chat) from None
         return queues
 
     class Tracker:
