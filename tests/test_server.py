@@ -243,8 +243,11 @@ def test_bad_requests_get_400s_while_others_stream(server, reference):
                               "'user' must be a string"),
         "n above max_num_seqs": (json.dumps({"model": MODEL, "prompt": "x", "n": 99}).encode(),
                                  "n=99 is more sequences than the engine runs at once"),
+        "a bad prompt of several": (json.dumps({"model": MODEL, "prompt": [[5, 6], [5, 10**9]]}).encode(),
+                                    "prompt 1 of 2: prompt token id 1000000000 is outside the vocabulary"),
     }
-    params = {"user not a string": "user", "n above max_num_seqs": "n", "prompt too long": "prompt"}
+    params = {"user not a string": "user", "n above max_num_seqs": "n", "prompt too long": "prompt",
+              "a bad prompt of several": "prompt"}
     for name, (body, message) in bad.items():
         path = "/v1/chat/completions" if b'"messages"' in body else "/v1/completions"
         status, text = server.raw("POST", path, body)

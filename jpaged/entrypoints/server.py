@@ -319,9 +319,12 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig(), *,
         except ValueError as e:
             for rid, _ in queues:
                 loop.abort(rid)
-            if str(e).startswith("structured_outputs"):  # the constraint does not compile (engine.check_request)
-                raise api.constraint_error(str(e), parsed.constraint_field) from None
-            raise api.engine_error(str(e), parsed.chat) from None
+            message = str(e)
+            if message.startswith("structured_outputs"):  # the constraint does not compile (engine.check_request)
+                raise api.constraint_error(message, parsed.constraint_field) from None
+            if len(parsed.prompts) > 1 and message.startswith(("prompt", "the prompt", "a prompt")):
+                message = f"prompt {i} of {len(parsed.prompts)}: {message}"  # which one (i: the loop's)
+            raise api.engine_error(message, parsed.chat) from None
         return queues
 
     class Tracker:
