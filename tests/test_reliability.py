@@ -75,8 +75,8 @@ def bad_requests(llm):
         ("a number as prompt", add(3.5), "a prompt must be a string or a list of token ids, got float"),
         ("None as prompt", add(None), "a prompt must be a string or a list of token ids, got NoneType"),
         ("bytes as prompt", add(b"hello"), "a prompt must be a string or a list of token ids, got bytes"),
-        ("floats as token ids", add([1.0, 2.0]), "a prompt must be a string or a list of token ids"),
-        ("bools as token ids", add([True, False]), "a prompt must be a string or a list of token ids"),
+        ("floats as token ids", add([1.0, 2.0]), "a list of token ids holds integers only, got float 1.0"),
+        ("bools as token ids", add([True, False]), "a list of token ids holds integers only, got bool True"),
         ("no ids in a prompt dict", add({"prompt_token_ids": None}), "prompt_token_ids must be a list of token "
          "ids, got NoneType"),
         ("text as ids in a prompt dict", add({"prompt_token_ids": "hello"}), "prompt_token_ids must be a list"),

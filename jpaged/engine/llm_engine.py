@@ -324,8 +324,10 @@ class LLMEngine:
                 raise ValueError("prompt is empty: give at least one non-blank character")
             prompt = valid_text(prompt)
             return prompt, list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, (list, tuple, np.ndarray)) and all(
-                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, (list, tuple, np.ndarray)):
+            odd = next((t for t in prompt if not isinstance(t, (int, np.integer)) or isinstance(t, bool)), None)
+            if odd is not None:
+                raise ValueError(f"a list of token ids holds integers only, got {type(odd).__name__} {odd!r:.20}")
             ids = [int(t) for t in prompt]
             if not ids:
                 raise ValueError("prompt is empty: give at least one token id")
