@@ -160,12 +160,15 @@ def constraint_error(message: str, field: Optional[str]) -> ApiError:
     return ApiError(message, param=field)
 
 
-def engine_error(message: str, chat: bool) -> ApiError:
-    """A 400 for a prompt or sampling parameters the engine refused (`LLMEngine.check_request`, the
-    context, the pool), naming the field its message starts with (n, beam_width, or the prompt's)."""
+def engine_error(message: str, chat: bool, index: int = 0, count: int = 1) -> ApiError:
+    """A 400 for prompt `index` of `count` or the sampling parameters, refused by the engine (its prompt
+    checks, `LLMEngine.check_request`, the context, the pool), naming the field its message starts with
+    (n, beam_width, or the prompt's: then, of several prompts, which one)."""
     field = next((f for f in ("n", "beam_width") if message.startswith(f + "=")), None)
-    if field is None and message.startswith(("prompt", "the prompt")):
+    if field is None and message.startswith(("prompt", "the prompt", "a prompt")):
         field = "messages" if chat else "prompt"
+        if count > 1:
+            message = f"prompt {index} of {count}: {message}"
     return ApiError(message, param=field)
 
 

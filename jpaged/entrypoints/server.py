@@ -322,9 +322,7 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig(), *,
             message = str(e)
             if message.startswith("structured_outputs"):  # the constraint does not compile (engine.check_request)
                 raise api.constraint_error(message, parsed.constraint_field) from None
-            if len(parsed.prompts) > 1 and message.startswith(("prompt", "the prompt", "a prompt")):
-                message = f"prompt {i} of {len(parsed.prompts)}: {message}"  # which one (i: the loop's)
-            raise api.engine_error(message, parsed.chat) from None
+            raise api.engine_error(message, parsed.chat, i, len(parsed.prompts)) from None  # (i: the loop's)
         return queues
 
     class Tracker:
