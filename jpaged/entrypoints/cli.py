@@ -134,8 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_engine_arguments(parser) -> None:
     """The `EngineConfig` options, shared by `generate` and `serve`."""
     parser.add_argument("--model", help="a .gguf file, a HF checkpoint directory of a supported family or a "
-                        "jpaged checkpoint (default: the "
-                        "embedded SmolLM2-135M-Instruct)")
+                        "jpaged checkpoint (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks, null block included")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size when --num-blocks is not given")
