@@ -74,6 +74,20 @@ class ModelConfig:
       query_pre_attn_scalar attention scores are scaled by its -1/2 power (default: head_dim's)
       attn_logit_softcap    scores become c * tanh(s / c) before the mask and softmax (Gemma 2)
       final_logit_softcap   the same on the output logits (Gemma 2)
+      qk_norm_whole         the q/k RMSNorm runs over the whole projection (all heads at once), not
+                            per head (OLMoE); its weights are then [heads, head_dim] / [kv_heads, head_dim]
+      clip_qkv              q, k and v are clamped to [-clip_qkv, clip_qkv] after their projection
+                            (and norm) (OLMoE)
+
+    Mixture of experts (`num_experts > 0`; the sparse MLP is `jpaged.device.moe`):
+      num_experts           experts per sparse layer
+      num_experts_per_tok   experts each token is routed to (top-k of the router's softmax)
+      moe_intermediate_size each expert's FFN size (a gated MLP, the model's activation)
+      norm_topk_prob        the top-k probabilities are renormalized to sum to 1 (Mixtral: always)
+      shared_expert_intermediate_size  a shared expert every token runs, gated by sigmoid(h . w)
+                            (Qwen2-MoE); 0: none
+      sparse_layers         per layer, whether its MLP is sparse; () = every layer (with experts).
+                            Every layer must be of one kind (see `__post_init__`)
     """
 
     vocab_size: int
@@ -102,6 +116,14 @@ class ModelConfig:
     query_pre_attn_scalar: Optional[float] = None
     attn_logit_softcap: Optional[float] = None
     final_logit_softcap: Optional[float] = None
+    qk_norm_whole: bool = False
+    clip_qkv: Optional[float] = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    sparse_layers: tuple[bool, ...] = ()
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -115,6 +137,21 @@ class ModelConfig:
             raise ValueError(f"sliding windows must be >= 1 (got {self.layer_windows})")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                                 f"num_experts ({self.num_experts})")
+            if self.moe_intermediate_size < 1:
+                raise ValueError(f"moe_intermediate_size ({self.moe_intermediate_size}) must be >= 1 with experts")
+        if self.sparse_layers and len(self.sparse_layers) != self.num_layers:
+            raise ValueError(f"sparse_layers has {len(self.sparse_layers)} entries for {self.num_layers} layers")
+        if self.sparse_layers and not self.num_experts and any(self.sparse_layers):
+            raise ValueError("sparse_layers names sparse layers, but num_experts is 0")
+        if len(set(self.sparse_layers)) > 1:
+            # one parameter layout for every layer keeps the layer scan (and the stacks it slices)
+            dense = [i for i, s in enumerate(self.sparse_layers) if not s]
+            raise ValueError(f"dense MLP layers {dense} among sparse ones are not supported (every layer of a "
+                             "mixture of experts must be sparse: mlp_only_layers = [], decoder_sparse_step = 1)")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -150,6 +187,11 @@ class ModelConfig:
         windows = self.windows
         return None if any(w is None for w in windows) else max(windows)
 
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLPs are sparse (a mixture of experts: every layer, see `sparse_layers`)."""
+        return self.num_experts > 0 and all(self.sparse_layers or (True,))
+
     def layer_rope(self, layer: int) -> tuple[float, Optional[RopeScaling]]:
         """(base, scaling) of layer `layer`'s RoPE."""
         if self.local_rope_theta is not None and self.windows[layer] is not None:
@@ -167,6 +209,7 @@ class ModelConfig:
         fields = dict(fields)
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
         fields["layer_windows"] = tuple(fields.get("layer_windows", ()))
+        fields["sparse_layers"] = tuple(fields.get("sparse_layers", ()))
         if fields.get("rope_scaling") is not None:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
         return cls(**fields)

@@ -43,7 +43,8 @@ from jpaged.device.attention.xla import FULL_WINDOW, XLABackend
 from jpaged.device.batch import ModelInputs, pack_rows
 from jpaged.device.config import ModelConfig, rope_inv_freq
 from jpaged.device.kv_cache import KVCache
-from jpaged.device.params import LlamaParams, from_storage
+from jpaged.device.moe import ExpertSharding, sparse_mlp
+from jpaged.device.params import EXPERT_LEAVES, LlamaParams, from_storage
 from jpaged.device.quant import QuantizedWeight, native_max_rows, quantized_matmul, quantized_matmuls, take_rows
 
 _SCRATCH_BLOCK_SIZE = 16
@@ -79,9 +80,11 @@ def _output_projection(attn, wo):
 
 
 def rms_norm(x, weight, eps, offset: float = 0.0):
-    """RMSNorm over the last axis, in float32, scaled by (offset + weight) (Gemma: offset 1)."""
+    """RMSNorm over the trailing axes that `weight` has (the last, or [heads, head_dim] for a norm over a
+    whole q/k projection: OLMoE), in float32, scaled by (offset + weight) (Gemma: offset 1)."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    axes = tuple(range(-weight.ndim, 0))
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + eps)
     return (x32 * (offset + weight.astype(jnp.float32))).astype(x.dtype)
 
 
@@ -127,11 +130,12 @@ def apply_rope(x, cos, sin):
 
 
 def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config: ModelConfig, backend,
-            num_layers: Optional[int] = None):
+            num_layers: Optional[int] = None, experts: Optional[ExpertSharding] = None):
     """Runs the decoder on the packed tokens of `inputs`, writing their K/V into `cache`.
 
     Returns (cache, hidden f[N, hidden]), one hidden state per packed token, after the final norm.
     `num_layers` (static): only the first layers (self-drafting's early exit; their K/V alone written).
+    `experts` (static): how a sharded step splits the sparse layers' experts (`jpaged.device.moe`).
     """
     c = config
     norm = lambda x, w: rms_norm(x, w, c.rms_norm_eps, c.norm_offset)  # noqa: E731
@@ -147,13 +151,18 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
         p, layer_id, rope_id, window = layer_inputs
         # this layer's parameters in their dtype; 16-bit rows stay bits (the native kernel reads them as
         # they are; a bit-cast of a parameter outside the scan's slicing is a copy on XLA's CPU backend)
-        p = jax.tree.map(from_storage, p, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        # (expert weights stay layer stacks, or bits: a sparse layer reads each chosen expert out of them alone)
+        experts_only = {name: getattr(p, name) for name in EXPERT_LEAVES}
+        p = jax.tree.map(from_storage, p.replace(**dict.fromkeys(EXPERT_LEAVES)),
+                         is_leaf=lambda x: isinstance(x, QuantizedWeight)).replace(**experts_only)
         h = norm(x, p.attn_norm)
         q, k, v = _matmuls("th,hnd->tnd", h, (p.wq, p.wk, p.wv))
         if c.attention_bias:
             q, k, v = q + p.bq, k + p.bk, v + p.bv
         if c.qk_norm:
             q, k = norm(q, p.q_norm), norm(k, p.k_norm)
+        if c.clip_qkv is not None:
+            q, k, v = (jnp.clip(a, -c.clip_qkv, c.clip_qkv) for a in (q, k, v))
         q, k = apply_rope(q, cos[rope_id], sin[rope_id]), apply_rope(k, cos[rope_id], sin[rope_id])
         pool, attn = backend.write_and_attend(q, k, v, pool, layer_id, inputs, c.attention_scale,
                                               window=window if c.has_windows else None,
@@ -161,8 +170,11 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
         out = _output_projection(attn, p.wo)
         x = x + (norm(out, p.post_attn_norm) if c.sandwich_norms else out)
         h = norm(x, p.mlp_norm)
-        gate, up = _matmuls("th,hi->ti", h, (p.w_gate, p.w_up))
-        out = _matmul("ti,ih->th", activation(gate) * up, p.w_down)
+        if c.is_moe:
+            out = sparse_mlp(h, p, c, activation, experts, layer_id)
+        else:
+            gate, up = _matmuls("th,hi->ti", h, (p.w_gate, p.w_up))
+            out = _matmul("ti,ih->th", activation(gate) * up, p.w_down)
         x = x + (norm(out, p.post_mlp_norm) if c.sandwich_norms else out)
         return (x, pool), None
 
@@ -196,22 +208,25 @@ def _is_weight(leaf) -> bool:
 
 
 def _split_stacks(layers):
-    """(stacks, rest) of stacked `LayerParams`: `stacks` holds the `QuantizedWeight` leaves (None elsewhere),
-    `rest` every other leaf (None where `stacks` has one), for a layer scan to slice."""
+    """(stacks, rest) of stacked `LayerParams`: `stacks` holds the `QuantizedWeight` leaves and the experts'
+    weights (None elsewhere), `rest` every other leaf (None where `stacks` has one), for a layer scan to slice."""
     stacks = jax.tree.map(lambda a: a if _is_weight(a) else None, layers, is_leaf=_is_weight)
     rest = jax.tree.map(lambda a: None if _is_weight(a) else a, layers, is_leaf=_is_weight)
-    return stacks, rest
+    experts = {name: getattr(layers, name) for name in EXPERT_LEAVES}
+    return stacks.replace(**experts), rest.replace(**dict.fromkeys(EXPERT_LEAVES))
 
 
 def _layer_params(stacks, sliced, layer_id):
     """Layer `layer_id`'s parameters: each `QuantizedWeight` of `stacks` as `of_layer(layer_id)` (read in
-    place by the native kernels), the other leaves from `sliced` (one layer's, as a scan hands them), or
-    indexed from `stacks` when `sliced` is None."""
+    place by the native kernels), the experts' weights as the whole stacks (`jpaged.device.moe` reads the
+    chosen experts of layer `layer_id` out of them), the other leaves from `sliced` (one layer's, as a scan
+    hands them), or indexed from `stacks` when `sliced` is None."""
+    experts = {name: getattr(stacks, name) for name in EXPERT_LEAVES}
     if sliced is None:
         return jax.tree.map(lambda a: a.of_layer(layer_id) if _is_weight(a) else a[layer_id], stacks,
-                            is_leaf=_is_weight)
+                            is_leaf=_is_weight).replace(**experts)
     return jax.tree.map(lambda a, b: a.of_layer(layer_id) if _is_weight(a) else b, stacks, sliced,
-                        is_leaf=lambda a: a is None or _is_weight(a))
+                        is_leaf=lambda a: a is None or _is_weight(a)).replace(**experts)
 
 
 def compute_logits(params: LlamaParams, hidden, *, config: ModelConfig) -> jax.Array:

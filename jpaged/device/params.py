@@ -12,15 +12,23 @@ Layout (heads are an explicit axis everywhere, so sharding over heads is a layou
     wv        f[L, hidden, num_kv_heads, head_dim]
     wo        f[L, num_heads, head_dim, hidden]
     mlp_norm  f[L, hidden]
-    w_gate    f[L, hidden, intermediate]
+    w_gate    f[L, hidden, intermediate]      the dense MLP (absent in a mixture of experts)
     w_up      f[L, hidden, intermediate]
     w_down    f[L, intermediate, hidden]
     bq        f[L, num_heads, head_dim]     q/k/v biases      (attention_bias: Qwen2)
     bk, bv    f[L, num_kv_heads, head_dim]
     q_norm    f[L, head_dim]                per-head q/k RMSNorm (qk_norm: Qwen3, Gemma 3)
-    k_norm    f[L, head_dim]
+    k_norm    f[L, head_dim]                (qk_norm_whole, OLMoE: f[L, heads, head_dim], f[L, kv_heads, head_dim])
     post_attn_norm f[L, hidden]             after attention / the MLP (sandwich_norms: Gemma 2, 3)
     post_mlp_norm  f[L, hidden]
+    router    f[L, hidden, experts]         a mixture of experts (num_experts > 0: `jpaged.device.moe`)
+    experts_gate f[L, experts, hidden, moe_intermediate]
+    experts_up   f[L, experts, hidden, moe_intermediate]
+    experts_down f[L, experts, moe_intermediate, hidden]
+    shared_w_gate f[L, hidden, shared_intermediate]   the shared expert (Qwen2-MoE)
+    shared_w_up   f[L, hidden, shared_intermediate]
+    shared_w_down f[L, shared_intermediate, hidden]
+    shared_expert_gate f[L, hidden]         its sigmoid gate: sigmoid(h . w)
   final_norm  f[hidden]
   lm_head     f[hidden, vocab], or None when the embeddings are tied (logits = h @ embed.T)
 
@@ -66,9 +74,9 @@ class LayerParams:
     wv: jax.Array
     wo: jax.Array
     mlp_norm: jax.Array
-    w_gate: jax.Array
-    w_up: jax.Array
-    w_down: jax.Array
+    w_gate: Optional[jax.Array] = None
+    w_up: Optional[jax.Array] = None
+    w_down: Optional[jax.Array] = None
     bq: Optional[jax.Array] = None
     bk: Optional[jax.Array] = None
     bv: Optional[jax.Array] = None
@@ -76,6 +84,17 @@ class LayerParams:
     k_norm: Optional[jax.Array] = None
     post_attn_norm: Optional[jax.Array] = None
     post_mlp_norm: Optional[jax.Array] = None
+    router: Optional[jax.Array] = None
+    experts_gate: Optional[jax.Array] = None
+    experts_up: Optional[jax.Array] = None
+    experts_down: Optional[jax.Array] = None
+    shared_w_gate: Optional[jax.Array] = None
+    shared_w_up: Optional[jax.Array] = None
+    shared_w_down: Optional[jax.Array] = None
+    shared_expert_gate: Optional[jax.Array] = None
+
+
+EXPERT_LEAVES = ("experts_gate", "experts_up", "experts_down")  # stacked by expert: [L, experts, ...]
 
 
 @struct.dataclass
@@ -96,13 +115,21 @@ def param_shapes(config) -> LlamaParams:
     family has no such leaf)."""
     c = config
     L, h, i, nh, nkv, d = c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
-    bias, qk, sandwich = c.attention_bias, c.qk_norm, c.sandwich_norms
+    bias, qk, sandwich, moe = c.attention_bias, c.qk_norm, c.sandwich_norms, c.is_moe
+    E, ei, si = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    shared = moe and si > 0
     layers = LayerParams(
         attn_norm=(L, h), wq=(L, h, nh, d), wk=(L, h, nkv, d), wv=(L, h, nkv, d), wo=(L, nh, d, h),
-        mlp_norm=(L, h), w_gate=(L, h, i), w_up=(L, h, i), w_down=(L, i, h),
+        mlp_norm=(L, h), w_gate=None if moe else (L, h, i), w_up=None if moe else (L, h, i),
+        w_down=None if moe else (L, i, h),
         bq=(L, nh, d) if bias else None, bk=(L, nkv, d) if bias else None, bv=(L, nkv, d) if bias else None,
-        q_norm=(L, d) if qk else None, k_norm=(L, d) if qk else None,
-        post_attn_norm=(L, h) if sandwich else None, post_mlp_norm=(L, h) if sandwich else None)
+        q_norm=((L, nh, d) if c.qk_norm_whole else (L, d)) if qk else None,
+        k_norm=((L, nkv, d) if c.qk_norm_whole else (L, d)) if qk else None,
+        post_attn_norm=(L, h) if sandwich else None, post_mlp_norm=(L, h) if sandwich else None,
+        router=(L, h, E) if moe else None, experts_gate=(L, E, h, ei) if moe else None,
+        experts_up=(L, E, h, ei) if moe else None, experts_down=(L, E, ei, h) if moe else None,
+        shared_w_gate=(L, h, si) if shared else None, shared_w_up=(L, h, si) if shared else None,
+        shared_w_down=(L, si, h) if shared else None, shared_expert_gate=(L, h) if shared else None)
     return LlamaParams(embed=(c.vocab_size, h), layers=layers, final_norm=(h,),
                        lm_head=None if c.tie_word_embeddings else (h, c.vocab_size))
 

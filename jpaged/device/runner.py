@@ -144,7 +144,7 @@ def default_unrolled_max_rows(params: LlamaParams, *, sharded: bool) -> int:
     if sharded or single_cpu_device(params.layers) is None:
         return 0
     dense = [getattr(params.layers, name) for name in IN_AXES if name not in ("embed", "lm_head")]
-    if any(isinstance(w, QuantizedWeight) or w.dtype == BF16_BITS for w in dense):
+    if any(isinstance(w, QuantizedWeight) or w.dtype == BF16_BITS for w in dense if w is not None):
         return 0
     return UNROLLED_MAX_ROWS
 
@@ -153,26 +153,28 @@ def default_unrolled_max_rows(params: LlamaParams, *, sharded: bool) -> int:
 _DONATED = {"prefill_step": 1, "decode_step": 1, "draft_step": 1, "copy_blocks": 0, "write_blocks": 0}
 
 
-def _step(params, cache, inputs, *, config, backend):
-    cache, hidden = forward(params, cache, inputs, config=config, backend=backend)
+def _step(params, cache, inputs, *, config, backend, experts=None):
+    cache, hidden = forward(params, cache, inputs, config=config, backend=backend, experts=experts)
     return cache, compute_logits(params, hidden[inputs.logits_index], config=config)
 
 
-def _draft_step(params, cache, inputs, *, config, backend, num_layers: int):
+def _draft_step(params, cache, inputs, *, config, backend, num_layers: int, experts=None):
     """Self-drafting: the first `num_layers` layers, the final norm and the LM head on decode rows
     (their K/V written for those layers alone); returns (cache, each row's argmax token i32[B])."""
-    cache, hidden = forward(params, cache, inputs, config=config, backend=backend, num_layers=num_layers)
+    cache, hidden = forward(params, cache, inputs, config=config, backend=backend, num_layers=num_layers,
+                            experts=experts)
     logits = compute_logits(params, hidden[inputs.logits_index], config=config)
     return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def _data_parallel_step(params, cache, inputs, row_index, *, config, backend, mesh, pool_spec, axis):
+def _data_parallel_step(params, cache, inputs, row_index, *, config, backend, mesh, pool_spec, axis, experts=None):
     """`_step` on every data rank's own rows and pool shard (`inputs`: stacked per rank); the logits of
     all ranks' rows, flattened rank-major, then picked in the step's row order (`row_index`). Only the
     data axis is manual: a tensor-parallel split on the other axis stays with the compiler (and the
     attention backend's own `shard_map` over it)."""
     def local(params, cache, inputs):
-        cache, logits = _step(params, cache, jax.tree.map(lambda x: x[0], inputs), config=config, backend=backend)
+        cache, logits = _step(params, cache, jax.tree.map(lambda x: x[0], inputs), config=config, backend=backend,
+                              experts=experts)
         return cache, logits[None]
 
     pool = KVCache(kv=pool_spec)
@@ -293,8 +295,10 @@ class ModelRunner:
         storage = backend.storage_dtype(dtype)
         self.cache = self._new_pool(pool_shape(self.pool_config, num_blocks, block_size), storage)
         self.cpu_kv = np.zeros(pool_shape(self.pool_config, num_cpu_blocks, block_size), np.dtype(storage))
-        step = functools.partial(_step, config=config, backend=backend)
-        draft = functools.partial(_draft_step, config=config, backend=backend)
+        # how the sparse layers of a mixture of experts are split (`jpaged.device.moe`; None: not at all)
+        experts = sharding.expert_sharding(mesh) if sharding is not None else None
+        step = functools.partial(_step, config=config, backend=backend, experts=experts)
+        draft = functools.partial(_draft_step, config=config, backend=backend, experts=experts)
         copy = functools.partial(_copy_blocks, backend=backend)
         self._moved = None  # the sharding of blocks moved by a swap (sharded runners)
         if sharding is None:
@@ -314,7 +318,7 @@ class ModelRunner:
                 axis = sharding.rule_map["blocks"]
                 # the manual (data) axis alone in the specs: the pool by blocks
                 specs = dict(mesh=mesh, pool_spec=P(*(a if a == axis else None for a in block.spec)), axis=axis)
-                step = functools.partial(_data_parallel_step, config=config, backend=backend, **specs)
+                step = functools.partial(_data_parallel_step, config=config, backend=backend, experts=experts, **specs)
                 copy = functools.partial(_data_parallel_copy, backend=backend, **specs)
                 by_rank = jax.sharding.NamedSharding(mesh, P(axis))
                 step_in, copy_in = (ps, pool, by_rank, rep), (pool, by_rank)

@@ -14,7 +14,10 @@ Logical axes:
   heads         query heads (wq, wo)
   head_dim      the dimension inside a head (never split: a head stays on one device)
   embed         the hidden (model) dimension
-  mlp           the MLP's intermediate dimension
+  mlp           the MLP's intermediate dimension (a mixture of experts: its shared expert's)
+  experts       a mixture of experts' stacked expert axis (expert parallelism: each device holds its
+                share of every sparse layer's experts; `jpaged.device.moe`)
+  expert_mlp    each expert's intermediate dimension (tensor parallelism inside the experts)
   vocab         the vocabulary (embedding rows, LM head columns)
   tokens        the packed tokens and rows of a step's inputs
 
@@ -23,7 +26,13 @@ Named strategies (rule sets):
   `tensor_parallel()`  Megatron-style: q/k/v split by heads, o by heads on its input axis, MLP gate/up
                        by columns and down by rows, norms, embedding and LM head replicated; the pool
                        split by KV heads, so one block table serves every device (the paper's 4.6).
-                       Two all-reduces per layer (after o and after down).
+                       Two all-reduces per layer (after o and after down). A mixture of experts splits
+                       each expert's intermediate axis likewise; `tensor_parallel(experts=True)` splits
+                       the experts instead (expert parallelism over the tensor-parallel devices, vLLM's
+                       `--enable-expert-parallel`), whole experts on each device.
+  `expert_parallel()`  the experts split over the mesh axis `model`, everything else replicated (attention
+                       runs whole on each device); the sparse layers' partial sums are combined by one
+                       all-reduce (psum) per layer.
   `data_parallel()`    the pool split by blocks over the mesh axis `data` (each device owns a slice of
                        the blocks and runs the requests placed there: `jpaged.core.partitioned`), the
                        step's tokens split likewise, weights replicated; the whole step runs per
@@ -52,9 +61,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jpaged.device.moe import ExpertSharding
+
 MESH_AXES = ("data", "model")
 LOGICAL_AXES = ("layers", "blocks", "kv_pair", "block_slots", "kv_heads", "head_dim", "embed", "heads", "mlp",
-                "vocab", "tokens")
+                "experts", "expert_mlp", "vocab", "tokens")
 
 # logical axes of each array, by the name of its field
 PARAM_AXES = {
@@ -77,7 +88,17 @@ PARAM_AXES = {
     "k_norm": ("layers", "head_dim"),
     "post_attn_norm": ("layers", "embed"),
     "post_mlp_norm": ("layers", "embed"),
+    "router": ("layers", "embed", None),  # every device routes every token: never split
+    "experts_gate": ("layers", "experts", "embed", "expert_mlp"),
+    "experts_up": ("layers", "experts", "embed", "expert_mlp"),
+    "experts_down": ("layers", "experts", "expert_mlp", "embed"),
+    "shared_w_gate": ("layers", "embed", "mlp"),
+    "shared_w_up": ("layers", "embed", "mlp"),
+    "shared_w_down": ("layers", "mlp", "embed"),
+    "shared_expert_gate": ("layers", "embed"),
 }
+# a q/k norm over the whole projection (OLMoE: `ModelConfig.qk_norm_whole`) is split with its heads
+WHOLE_QK_NORM_AXES = {"q_norm": ("layers", "heads", "head_dim"), "k_norm": ("layers", "kv_heads", "head_dim")}
 POOL_AXES = ("layers", "blocks", "kv_pair", "block_slots", "kv_heads", "head_dim")
 Q_AXES = ("tokens", "heads", "head_dim")  # a step's queries (and attention output) inside a layer
 KV_AXES = ("tokens", "kv_heads", "head_dim")  # a step's new K/V inside a layer
@@ -146,7 +167,7 @@ class ShardingStrategy:
             if rules.get("blocks") != rules.get("tokens"):
                 raise ValueError("sharding rules must map 'blocks' and 'tokens' to the same mesh axis (data parallel: "
                                  "a device runs the tokens of the requests whose blocks it holds)")
-            split = [a for a in ("heads", "kv_heads", "mlp", "vocab", "embed", "layers")
+            split = [a for a in ("heads", "kv_heads", "mlp", "experts", "expert_mlp", "vocab", "embed", "layers")
                      if rules.get(a) == rules["blocks"]]
             if split:
                 raise ValueError(f"sharding rules map {', '.join(map(repr, split))} to the data axis "
@@ -158,8 +179,18 @@ class ShardingStrategy:
         if config.num_kv_heads % tp and tp % config.num_kv_heads:
             raise ValueError(f"the model's {config.num_kv_heads} KV heads and tensor parallel size {tp} do not "
                              "divide one another: a KV head is never split, so one must divide the other")
-        for logical, size in (("mlp", config.intermediate_size), ("vocab", config.vocab_size),
-                              ("embed", config.hidden_size), ("layers", config.num_layers)):
+        ep = self.axis_size("experts", mesh)
+        if ep > 1 and not config.is_moe:
+            raise ValueError(f"expert parallel size {ep}: the model ({config.architecture}) has no experts")
+        if config.is_moe and config.num_experts % ep:
+            raise ValueError(f"expert parallel size {ep} does not divide the model's {config.num_experts} experts: "
+                             f"use a size that divides {config.num_experts}")
+        if rules.get("experts") is not None and rules.get("experts") == rules.get("expert_mlp"):
+            raise ValueError("sharding rules map 'experts' and 'expert_mlp' to the same mesh axis")
+        mlp = (config.shared_expert_intermediate_size if config.is_moe else config.intermediate_size) or 1
+        for logical, size in (("mlp", mlp), ("vocab", config.vocab_size),
+                              ("embed", config.hidden_size), ("layers", config.num_layers),
+                              ("expert_mlp", config.moe_intermediate_size if config.is_moe else 1)):
             n = self.axis_size(logical, mesh)
             if size % n:
                 raise ValueError(f"the model's {logical} size {size} does not divide over {n} devices "
@@ -180,9 +211,17 @@ class ShardingStrategy:
         """A pytree of `NamedSharding`s matching `params` (a `LlamaParams`; None leaves stay None)."""
         def sharding(path, leaf):
             name = getattr(path[-1], "name", None)
+            if name in WHOLE_QK_NORM_AXES and leaf.ndim == 3:
+                return self.named(mesh, WHOLE_QK_NORM_AXES[name])
             return self.named(mesh, PARAM_AXES[name])
 
         return jax.tree_util.tree_map_with_path(sharding, params)
+
+    def expert_sharding(self, mesh: Mesh) -> Optional[ExpertSharding]:
+        """How a step on `mesh` runs the sparse layers (`jpaged.device.moe.ExpertSharding`): the mesh axes of
+        `experts` and `expert_mlp` where either is split, else None."""
+        axes = [self.rule_map.get(a) if self.axis_size(a, mesh) > 1 else None for a in ("experts", "expert_mlp")]
+        return ExpertSharding(mesh, *axes) if any(axes) else None
 
     def pool_sharding(self, mesh: Mesh) -> NamedSharding:
         """The KV pool's sharding, f[layers, blocks, 2 (K, V), block_size, kv_heads, head_dim]."""
@@ -198,13 +237,21 @@ def replicated() -> ShardingStrategy:
     return ShardingStrategy(name="replicated", rules=())
 
 
-def tensor_parallel(*, vocab: bool = False) -> ShardingStrategy:
+def tensor_parallel(*, vocab: bool = False, experts: bool = False) -> ShardingStrategy:
     """Megatron-style tensor parallelism over the mesh axis `model`, the pool split by KV heads.
-    `vocab=True` also splits the embedding and the LM head by vocabulary."""
-    rules = (("heads", "model"), ("kv_heads", "model"), ("mlp", "model"))
+    `vocab=True` also splits the embedding and the LM head by vocabulary. A mixture of experts splits each
+    expert's intermediate axis, or with `experts=True` the experts themselves (expert parallelism)."""
+    rules = (("heads", "model"), ("kv_heads", "model"), ("mlp", "model"),
+             ("experts", "model") if experts else ("expert_mlp", "model"))
     if vocab:
         rules += (("vocab", "model"),)
-    return ShardingStrategy(name="tensor_parallel" + ("_vocab" if vocab else ""), rules=rules)
+    name = "tensor_parallel" + ("_vocab" if vocab else "") + ("_experts" if experts else "")
+    return ShardingStrategy(name=name, rules=rules)
+
+
+def expert_parallel() -> ShardingStrategy:
+    """The experts split over the mesh axis `model`; attention and every other weight replicated."""
+    return ShardingStrategy(name="expert_parallel", rules=(("experts", "model"),))
 
 
 def data_parallel() -> ShardingStrategy:
@@ -212,11 +259,18 @@ def data_parallel() -> ShardingStrategy:
     return ShardingStrategy(name="data_parallel", rules=(("blocks", "data"), ("tokens", "data")))
 
 
-def data_and_tensor_parallel() -> ShardingStrategy:
+def data_and_tensor_parallel(*, experts: bool = False) -> ShardingStrategy:
     """Both on a 2-D mesh: the pool split by blocks over `data` and by KV heads over `model`; the
-    weights split Megatron-style over `model`, whole on each data rank."""
-    return ShardingStrategy(name="data_and_tensor_parallel",
-                            rules=tensor_parallel().rules + data_parallel().rules)
+    weights split Megatron-style over `model`, whole on each data rank (`experts=True`: the experts split
+    over `model`, as `tensor_parallel(experts=True)`)."""
+    return ShardingStrategy(name="data_and_tensor_parallel" + ("_experts" if experts else ""),
+                            rules=tensor_parallel(experts=experts).rules + data_parallel().rules)
+
+
+def data_and_expert_parallel() -> ShardingStrategy:
+    """A 2-D mesh: the pool split by blocks over `data`, the experts over `model` (attention whole on each
+    device of a data rank)."""
+    return ShardingStrategy(name="data_and_expert_parallel", rules=expert_parallel().rules + data_parallel().rules)
 
 
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None) -> Mesh:
@@ -240,8 +294,9 @@ def replicate_kv_heads(params, factor: int):
     if factor == 1:
         return params
     layers, repeat = params.layers, lambda x, axis: None if x is None else jnp.repeat(x, factor, axis=axis)  # noqa: E731
+    whole_k_norm = layers.k_norm is not None and layers.k_norm.ndim == 3  # [L, kv_heads, head_dim] (OLMoE)
     layers = layers.replace(wk=repeat(layers.wk, 2), wv=repeat(layers.wv, 2), bk=repeat(layers.bk, 1),
-                            bv=repeat(layers.bv, 1))
+                            bv=repeat(layers.bv, 1), k_norm=repeat(layers.k_norm, 1) if whole_k_norm else layers.k_norm)
     return params.replace(layers=layers)
 
 

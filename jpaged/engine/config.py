@@ -14,8 +14,8 @@ from jpaged.core.scheduler import SchedulerConfig
 from jpaged.device.attention import BACKENDS
 from jpaged.device.kv_cache import parse_memory_size
 from jpaged.device.quant import check_quantization
-from jpaged.device.sharding import (ShardingStrategy, data_and_tensor_parallel, data_parallel, make_mesh,
-                                    tensor_parallel)
+from jpaged.device.sharding import (ShardingStrategy, data_and_expert_parallel, data_and_tensor_parallel,
+                                    data_parallel, expert_parallel, make_mesh, tensor_parallel)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -61,6 +61,13 @@ class EngineConfig:
       on its partition (`jpaged.device.sharding.data_parallel`, `jpaged.core.partitioned`); the pool's
       blocks (num_blocks) are shared out evenly, each partition with its own null block. Both above 1:
       a 2-D mesh (`jpaged.device.sharding.data_and_tensor_parallel`).
+    expert_parallel_size: a mixture of experts' experts split over this many devices (vLLM's
+      `--enable-expert-parallel`), each holding whole experts: the tensor-parallel devices
+      (`tensor_parallel(experts=True)`; it must then equal tensor_parallel_size), or with
+      tensor_parallel_size 1 a mesh axis of its own size on which attention runs whole
+      (`expert_parallel()`); combines with data_parallel_size. 1: the experts are not split (under tensor
+      parallelism each expert's intermediate axis is). It must divide the model's experts (checked
+      before any weight is read).
     sharding / mesh: a `ShardingStrategy` and the `jax.sharding.Mesh` it lays the arrays out on
       (both, instead of tensor_parallel_size); the mesh must have every axis the strategy's rules name.
     async_scheduling: overlap the host with the device (vLLM's name): while a decode step runs, the
@@ -100,6 +107,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    expert_parallel_size: int = 1
     sharding: Optional[ShardingStrategy] = None
     mesh: Optional[jax.sharding.Mesh] = None
     async_scheduling: bool = False
@@ -122,10 +130,15 @@ class EngineConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
         if self.max_model_len is not None and not (type(self.max_model_len) is int and self.max_model_len >= 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        tp, dp = self.tensor_parallel_size, self.data_parallel_size
-        for name, size in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
+        tp, dp, ep = self.tensor_parallel_size, self.data_parallel_size, self.expert_parallel_size
+        for name, size in (("tensor_parallel_size", tp), ("data_parallel_size", dp), ("expert_parallel_size", ep)):
             if not (type(size) is int and size >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+        if ep > 1 and tp > 1 and ep != tp:
+            raise ValueError(f"expert_parallel_size {ep} and tensor_parallel_size {tp}: the experts split over the "
+                             "tensor-parallel devices, so give the same size, or tensor_parallel_size 1 for a mesh "
+                             "axis of the experts' own")
+        tp = max(tp, ep)  # the devices of the mesh axis 'model'
         if self.quantization is not None and (self.sharding is not None or tp * dp > 1):
             raise ValueError(f"quantization={self.quantization!r} runs on one device: use tensor_parallel_size=1 and "
                              "data_parallel_size=1 (no sharding), or quantization=None")
@@ -138,7 +151,8 @@ class EngineConfig:
             if not isinstance(self.mesh, jax.sharding.Mesh):
                 raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
             if tp != 1 or dp != 1:
-                raise ValueError("give tensor_parallel_size / data_parallel_size or sharding and mesh, not both")
+                raise ValueError("give tensor_parallel_size / data_parallel_size / expert_parallel_size or sharding "
+                                 "and mesh, not both")
             missing = [a for a in self.sharding.mesh_axes if a not in self.mesh.axis_names]
             if missing:
                 raise ValueError(f"the mesh (axes {', '.join(map(repr, self.mesh.axis_names))}) lacks the axis "
@@ -180,12 +194,18 @@ class EngineConfig:
         """(strategy, mesh) the runner lays the model and the pool out with, or (None, None): one device."""
         if self.sharding is not None:
             return self.sharding, self.mesh
-        if self.tensor_parallel_size > 1 and self.data_parallel_size > 1:
-            return data_and_tensor_parallel(), make_mesh(self.tensor_parallel_size, self.data_parallel_size)
-        if self.tensor_parallel_size > 1:
-            return tensor_parallel(), make_mesh(self.tensor_parallel_size)
-        if self.data_parallel_size > 1:
-            return data_parallel(), make_mesh(1, self.data_parallel_size)
+        tp, dp, ep = self.tensor_parallel_size, self.data_parallel_size, self.expert_parallel_size
+        experts = ep > 1
+        if tp > 1 and dp > 1:
+            return data_and_tensor_parallel(experts=experts), make_mesh(tp, dp)
+        if tp > 1:
+            return tensor_parallel(experts=experts), make_mesh(tp)
+        if ep > 1 and dp > 1:
+            return data_and_expert_parallel(), make_mesh(ep, dp)
+        if ep > 1:
+            return expert_parallel(), make_mesh(ep)
+        if dp > 1:
+            return data_parallel(), make_mesh(1, dp)
         return None, None
 
     @property

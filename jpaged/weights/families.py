@@ -41,6 +41,39 @@ _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh
 
 
 @dataclasses.dataclass(frozen=True)
+class Experts:
+    """How a family declares its mixture of experts (`ModelConfig.num_experts` ...) and names its tensors.
+
+    count         the config field holding the number of experts (`num_experts`; Mixtral `num_local_experts`)
+    size          the config field holding each expert's FFN size (`moe_intermediate_size`; Mixtral and
+                  OLMoE use `intermediate_size`)
+    renormalize   the top-k probabilities renormalized whatever the config says (Mixtral); None: the
+                  config's `norm_topk_prob`
+    shared        a shared expert with a sigmoid gate (Qwen2-MoE: `shared_expert_intermediate_size`)
+    block         the sparse block's module in a layer, in the one-tensor-per-expert layout
+                  (`mlp`; Mixtral `block_sparse_moe`); transformers 5's fused layout is `mlp` for all
+    projections   an expert's (gate, up, down) tensor names in that layout (Mixtral: w1, w3, w2)
+
+    Tensors, per layer: the router `{block}.gate` [E, hidden]; expert e's `{block}.experts.{e}.{proj}`, or
+    the fused `mlp.experts.gate_up_proj` [E, 2 * I, hidden] (gate rows, then up) and `mlp.experts.down_proj`
+    [E, hidden, I]; Qwen2-MoE's `mlp.shared_expert.{gate,up,down}_proj` and `mlp.shared_expert_gate` [1, hidden].
+    """
+
+    count: str = "num_experts"
+    size: str = "moe_intermediate_size"
+    renormalize: bool | None = None
+    shared: bool = False
+    block: str = "mlp"
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+EXPERT_PROJECTIONS = ("experts_gate", "experts_up", "experts_down")  # the LayerParams leaves, in that order
+SHARED_EXPERT_NAMES = {"shared_w_gate": "mlp.shared_expert.gate_proj", "shared_w_up": "mlp.shared_expert.up_proj",
+                       "shared_w_down": "mlp.shared_expert.down_proj", "shared_expert_gate": "mlp.shared_expert_gate"}
+FUSED_EXPERTS = {"mlp.experts.gate_up_proj": ("experts_gate", "experts_up"), "mlp.experts.down_proj": ("experts_down",)}
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """One family's declarations (see the module docstring).
 
@@ -48,12 +81,14 @@ class Family:
     scale_embeddings  embeddings multiplied by sqrt(hidden_size) (Gemma)
     layer_names   LayerParams leaf -> HF tensor name, where it differs from `HF_LAYER_NAMES`
     fused         HF tensor name in a layer -> the leaves it holds, stacked along its rows, in order
+    experts       its mixture of experts (`Experts`), or None: a dense family
     """
 
     declarations: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     scale_embeddings: bool = False
     layer_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
     fused: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    experts: Experts | None = None
 
     def hf_layer_names(self) -> dict[str, str]:
         """Every LayerParams leaf this family stores unfused -> its HF tensor name in a layer."""
@@ -69,15 +104,28 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family(fused={"self_attn.qkv_proj": ("wq", "wk", "wv"), "mlp.gate_up_proj": ("w_gate", "w_up")}),
     "gemma2": Family(declarations=_GEMMA, scale_embeddings=True, layer_names=_GEMMA_NORMS),
     "gemma3_text": Family(declarations=dict(_GEMMA, qk_norm=True), scale_embeddings=True, layer_names=_GEMMA_NORMS),
+    # mixtures of experts
+    "qwen2_moe": Family(declarations=dict(attention_bias=True), experts=Experts(shared=True)),
+    "qwen3_moe": Family(declarations=dict(qk_norm=True), experts=Experts()),
+    "mixtral": Family(experts=Experts(count="num_local_experts", size="intermediate_size", renormalize=True,
+                                      block="block_sparse_moe", projections=("w1", "w3", "w2"))),
+    "olmoe": Family(declarations=dict(qk_norm=True, qk_norm_whole=True), experts=Experts(size="intermediate_size")),
+}
+# families jpaged refuses by name, with what they need that it lacks
+REFUSED = {
+    "gemma3": "Gemma 3 with its vision tower (vision_config), which jpaged does not run; use the text model "
+              "(model_type 'gemma3_text', Gemma3ForCausalLM)",
+    "deepseek_v2": "DeepSeek-V2's multi-head latent attention (MLA: kv_lora_rank), which jpaged does not run",
+    "deepseek_v3": "DeepSeek-V3's multi-head latent attention (MLA: kv_lora_rank), which jpaged does not run",
+    "qwen3_vl_moe": "Qwen3-VL with its vision tower (vision_config), which jpaged does not run",
 }
 SUPPORTED = tuple(FAMILIES)
 
 
 def family(model_type: Any, where: str) -> Family:
     """The family of HF `model_type`; ValueError naming it (and `where`) when jpaged has none."""
-    if model_type == "gemma3":
-        raise ValueError(f"{where}: model_type 'gemma3' is Gemma 3 with its vision tower (vision_config), which "
-                         "jpaged does not run; use the text model (model_type 'gemma3_text', Gemma3ForCausalLM)")
+    if model_type in REFUSED:
+        raise ValueError(f"{where}: model_type {model_type!r} is {REFUSED[model_type]}")
     if model_type not in FAMILIES:
         raise ValueError(f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
     return FAMILIES[model_type]
@@ -114,8 +162,13 @@ def unsupported_fields(hf) -> list[str]:
         if value is not None and bad(value):
             found.append(f"{field} = {value!r} ({why})")
 
-    for field in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size"):
-        check(field, lambda v: bool(v), "a mixture of experts")
+    fam = FAMILIES.get(getattr(hf, "model_type", None))
+    if fam is None or fam.experts is None:
+        for field in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size"):
+            check(field, lambda v: bool(v), "a mixture of experts, in a family jpaged runs dense")
+    check("kv_lora_rank", bool, "multi-head latent attention (MLA)")
+    if getattr(hf, "model_type", None) == "qwen2_moe":
+        check("qkv_bias", lambda v: not v, "Qwen2-MoE without its q/k/v biases")
     check("vision_config", lambda v: True, "a vision tower")
     check("mlp_bias", bool, "biases on the MLP projections")
     check("use_bidirectional_attention", bool, "bidirectional attention")
@@ -123,7 +176,7 @@ def unsupported_fields(hf) -> list[str]:
     rope = _rope_parameters(hf)
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         found.append(f"rope_parameters.partial_rotary_factor = {rope['partial_rotary_factor']} (partial RoPE)")
-    if getattr(hf, "model_type", None) != "qwen2":  # Qwen2's q/k/v biases are its own; elsewhere o has one too
+    if getattr(hf, "model_type", None) not in ("qwen2", "qwen2_moe"):  # their q/k/v biases; elsewhere o has one too
         check("attention_bias", bool, "biases on the attention projections")
     return found
 
@@ -189,7 +242,32 @@ def model_config(hf, model_type: str, *, eos_token_ids: tuple[int, ...], where: 
         final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
     )
     fields.update(fam.declarations)
-    return ModelConfig(**fields)
+    fields.update(clip_qkv=getattr(hf, "clip_qkv", None))
+    if fam.experts is not None:
+        fields.update(_experts_config(hf, fam.experts, num_layers, where))
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:  # contradicting fields (top-k above the experts, ...)
+        raise ValueError(f"{where}: {e}") from e
+
+
+def _experts_config(hf, experts: Experts, num_layers: int, where: str) -> dict:
+    """The `ModelConfig` fields of a family's mixture of experts, as HF reads them: layer i is sparse iff it
+    is not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0 (Qwen2-MoE, Qwen3-MoE)."""
+    num_experts = getattr(hf, experts.count, None) or 0
+    top_k = getattr(hf, "num_experts_per_tok", None) or 0
+    if not num_experts:
+        raise ValueError(f"{where}: {experts.count} = {num_experts!r}: a {hf.model_type} model has experts")
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(hf, "mlp_only_layers", None) or ())
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    renormalize = experts.renormalize
+    return dict(num_experts=int(num_experts), num_experts_per_tok=int(top_k),
+                moe_intermediate_size=int(getattr(hf, experts.size)),
+                norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)) if renormalize is None else renormalize,
+                shared_expert_intermediate_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)
+                if experts.shared else 0,
+                sparse_layers=() if all(sparse) else sparse)
 
 
 def _tensor_names(config: ModelConfig, names: dict[str, str], layer: str, layer_names: Mapping[str, str],
@@ -221,10 +299,27 @@ def _unfused(names: Mapping[str, str], fused: Mapping[str, tuple[str, ...]]) -> 
 
 def hf_tensor_names(model_type: str, config: ModelConfig) -> tuple[dict[str, str], dict[str, tuple]]:
     """(HF tensor name -> intermediate key, HF fused tensor name -> (keys, row counts)) for a model of
-    `config` (see `jpaged.weights.loader` for the intermediate keys: `embed`, `layers.{i}.{leaf}`, ...)."""
+    `config` (see `jpaged.weights.loader` for the intermediate keys: `embed`, `layers.{i}.{leaf}`,
+    `layers.{i}.{expert leaf}.{e}` for one expert's tensor, ...). A mixture of experts' fused tensors
+    (`FUSED_EXPERTS`) map to `(keys, None)`: whole stacks of experts, split by the loader."""
     fam = FAMILIES[model_type]
     names = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
-    return _tensor_names(config, names, "model.layers.{i}.{name}", fam.hf_layer_names(), fam.fused)
+    layer_names = fam.hf_layer_names()
+    if fam.experts is not None:
+        layer_names = {**layer_names, **SHARED_EXPERT_NAMES}
+    names, fused = _tensor_names(config, names, "model.layers.{i}.{name}", layer_names, fam.fused)
+    if fam.experts is not None and config.is_moe:
+        ex = fam.experts
+        for i in range(config.num_layers):
+            layer = f"model.layers.{i}"
+            for block in {ex.block, "mlp"}:  # the router keeps its name in transformers 5's fused layout
+                names[f"{layer}.{block}.gate.weight"] = f"layers.{i}.router"
+            for e in range(config.num_experts):
+                for leaf, proj in zip(EXPERT_PROJECTIONS, ex.projections):
+                    names[f"{layer}.{ex.block}.experts.{e}.{proj}.weight"] = f"layers.{i}.{leaf}.{e}"
+            for name, leaves in FUSED_EXPERTS.items():
+                fused[f"{layer}.{name}"] = (tuple(f"layers.{i}.{leaf}" for leaf in leaves), None)
+    return names, fused
 
 
 # ---------------------------------------------------------------- GGUF: the files llama.cpp writes

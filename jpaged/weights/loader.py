@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpaged.device.config import ModelConfig, RopeScaling, rope_inv_freq
-from jpaged.device.params import NORMS, LayerParams, LlamaParams, param_shapes
+from jpaged.device.params import EXPERT_LEAVES, NORMS, LayerParams, LlamaParams, param_shapes
 from jpaged.device.quant import IN_AXES, QuantizedWeight, check_quantization, quantize_params
 from jpaged.weights import families, gguf_file, gguf_tokenizer
 
@@ -111,6 +111,12 @@ def _to_params(config: ModelConfig, tensors: dict[str, np.ndarray], dtype) -> Ll
     def torch_shape(name, shape):
         if name in ("wq", "wk", "wv"):  # [hidden, heads, hd] <- [heads*hd, hidden]
             return (shape[1] * shape[2], shape[0])
+        if name in EXPERT_LEAVES:  # [E, in, out] <- [E, out, in]
+            return (shape[0], shape[2], shape[1])
+        if name == "shared_expert_gate":  # [hidden] <- [1, hidden]
+            return (1, shape[0])
+        if name in ("q_norm", "k_norm") and len(shape) == 2:  # a norm over the whole projection (OLMoE)
+            return (shape[0] * shape[1],)
         if name == "wo":  # [heads, hd, hidden] <- [hidden, heads*hd]
             return (shape[2], shape[0] * shape[1])
         if name in ("bq", "bk", "bv"):  # [heads, hd] <- [heads*hd]
@@ -126,8 +132,10 @@ def _to_params(config: ModelConfig, tensors: dict[str, np.ndarray], dtype) -> Ll
         return x
 
     def leaf(name, shape, w):
-        if name in ("wq", "wk", "wv", "wo", "bq", "bk", "bv"):
-            return (w.T if w.ndim == 2 else w).reshape(shape)
+        if name in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm", "shared_expert_gate"):
+            return (w.T if w.ndim == 2 and name.startswith("w") else w).reshape(shape)
+        if name in EXPERT_LEAVES:
+            return np.swapaxes(w, 1, 2)
         return w if w.ndim == 1 or name == "embed" else w.T
 
     def array(x):
@@ -156,7 +164,14 @@ def _to_params(config: ModelConfig, tensors: dict[str, np.ndarray], dtype) -> Ll
 def _keyed(name: str, w: np.ndarray, names: dict, fused: dict) -> list[tuple[str, np.ndarray]]:
     """(intermediate key, tensor) of file tensor `name` (`families.hf_tensor_names` /
     `gguf_tensor_names`): itself, or the leaves a fused tensor holds (Phi-3's q/k/v and gate/up), split
-    along its rows."""
+    along its rows; a fused stack of experts [E, rows, in] (row counts None) split into equal parts along
+    its rows, each still a stack of experts."""
+    if name in fused and fused[name][1] is None:
+        keys = fused[name][0]
+        if w.ndim != 3 or w.shape[1] % len(keys):
+            raise ValueError(f"tensor {name} has shape {w.shape}, not a stack of experts [experts, "
+                             f"{len(keys)} x rows, columns]")
+        return list(zip(keys, np.split(w, len(keys), axis=1)))
     if name in fused:
         keys, rows = fused[name]
         cuts = np.cumsum(rows)[:-1]
@@ -164,6 +179,32 @@ def _keyed(name: str, w: np.ndarray, names: dict, fused: dict) -> list[tuple[str
             return list(zip(keys, (_Q8Rows(*pair) for pair in zip(np.split(w.values, cuts), np.split(w.scales, cuts)))))
         return list(zip(keys, np.split(w, cuts)))
     return [(names[name], w)]
+
+
+def _stack_experts(tensors: dict, config: ModelConfig) -> dict:
+    """`tensors` with each layer's one-tensor-per-expert keys (`layers.{i}.{leaf}.{e}`) stacked into the
+    layer's key (`layers.{i}.{leaf}`, [E, out, in]); a layer given whole (transformers 5's fused layout)
+    stays. An expert missing from a layer raises ValueError naming it."""
+    if not config.is_moe:
+        return tensors
+    tensors = dict(tensors)
+    for i in range(config.num_layers):
+        for leaf in EXPERT_LEAVES:
+            key = f"layers.{i}.{leaf}"
+            parts = [tensors.pop(f"{key}.{e}", None) for e in range(config.num_experts)]
+            present = [e for e, part in enumerate(parts) if part is not None]
+            if key in tensors and present:
+                raise ValueError(f"layer {i} holds its {leaf} both fused and one tensor per expert")
+            if present and len(present) < len(parts):
+                missing = next(e for e, part in enumerate(parts) if part is None)
+                raise ValueError(f"missing tensor of expert {missing} ({key}.{missing}): a layer holds "
+                                 f"{config.num_experts} experts")
+            if present:
+                shapes = {part.shape for part in parts}
+                if len(shapes) > 1:
+                    raise ValueError(f"the experts of {key} differ in shape: {sorted(shapes)}")
+                tensors[key] = np.stack(parts)
+    return tensors
 
 
 def _unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -524,7 +565,7 @@ def load_hf_dir(path: pathlib.Path, dtype) -> LoadedModel:
         except Exception as e:  # noqa: BLE001 - safetensors' own errors: a truncated or corrupt file
             raise ValueError(f"{file}: not a readable safetensors file ({' '.join(str(e).split())[:300]})") from e
     try:
-        params = _to_params(config, tensors, dtype)
+        params = _to_params(config, _stack_experts(tensors, config), dtype)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
     return LoadedModel(config, params, tokenizer, path)
