@@ -22,6 +22,7 @@ is not part of `python -m bench`.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -36,22 +37,28 @@ NUM_DEVICES = 9
 BUDGET_BYTES = 256 * 2**20  # the per-device KV budget the capacities are computed at
 
 
+_DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f64": 8}
+
+
 def collectives(executable) -> dict:
-    """Collective ops in a compiled executable's HLO (`counts`), and how many of them sit in a while
-    loop's body (`in_loop`: the layer scan, run once per layer)."""
+    """Collective ops in a compiled executable's HLO (`counts`), how many of them sit in a while loop's
+    body (`in_loop`: the layer scan, run once per layer), and the bytes of their results (`bytes`, each op
+    counted once as written: one in a loop body runs once per iteration)."""
     text = executable.as_text()
     bodies = set(re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", text))
-    counts, in_loop, computation = Counter(), Counter(), None
+    counts, in_loop, nbytes, computation = Counter(), Counter(), Counter(), None
     for line in text.splitlines():
         header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
         if header:
             computation = header[1]
-        op = re.search(r"= \S+ (all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)(?:-start)?\(",
-                       line)
+        op = re.search(r"= (\S+|\(.*?\)) (all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)"
+                       r"(?:-start)?\(", line)
         if op:
-            counts[op[1]] += 1
-            in_loop[op[1]] += computation in bodies
-    return {"counts": dict(counts), "in_loop": dict(in_loop)}
+            counts[op[2]] += 1
+            in_loop[op[2]] += computation in bodies
+            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", op[1]):
+                nbytes[op[2]] += _DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+    return {"counts": dict(counts), "in_loop": dict(in_loop), "bytes": dict(nbytes)}
 
 
 def strategies():

@@ -187,12 +187,12 @@ class ShardingStrategy:
                              f"use a size that divides {config.num_experts}")
         if rules.get("experts") is not None and rules.get("experts") == rules.get("expert_mlp"):
             raise ValueError("sharding rules map 'experts' and 'expert_mlp' to the same mesh axis")
-        mlp = (config.shared_expert_intermediate_size if config.is_moe else config.intermediate_size) or 1
+        mlp = config.shared_expert_intermediate_size if config.is_moe else config.intermediate_size
         for logical, size in (("mlp", mlp), ("vocab", config.vocab_size),
                               ("embed", config.hidden_size), ("layers", config.num_layers),
-                              ("expert_mlp", config.moe_intermediate_size if config.is_moe else 1)):
+                              ("expert_mlp", config.moe_intermediate_size if config.is_moe else 0)):
             n = self.axis_size(logical, mesh)
-            if size % n:
+            if size and size % n:  # (0: the model has no such axis)
                 raise ValueError(f"the model's {logical} size {size} does not divide over {n} devices "
                                  f"(axis {self.rule_map[logical]!r})")
 

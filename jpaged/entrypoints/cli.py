@@ -184,6 +184,12 @@ def add_engine_arguments(parser) -> None:
                         "with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="devices to split the KV pool over by blocks, each running the requests placed on it")
+    parser.add_argument("--expert-parallel-size", type=int, default=None, metavar="N",
+                        help="a mixture of experts: devices to split the experts over, whole experts on each (the "
+                        "tensor-parallel devices, so N = --tensor-parallel-size; or with tensor parallel size 1 a mesh "
+                        "axis of N devices on which attention runs whole); default 1: not split")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="vLLM's flag: --expert-parallel-size = --tensor-parallel-size")
     parser.add_argument("--compile-cache", default=None, metavar="DIR|none",
                         help="JAX's persistent compilation cache, where a second start finds its executables "
                         f"(default: {default_compile_cache_dir()}, unless JAX_COMPILATION_CACHE_DIR is set; "
@@ -277,7 +283,20 @@ def engine_config(args):
                         enable_prefix_caching=args.enable_prefix_caching,
                         async_scheduling=async_scheduling(args),
                         tensor_parallel_size=args.tensor_parallel_size,
-                        data_parallel_size=args.data_parallel_size)
+                        data_parallel_size=args.data_parallel_size,
+                        expert_parallel_size=expert_parallel_size(args))
+
+
+def expert_parallel_size(args) -> int:
+    """--expert-parallel-size, or --tensor-parallel-size under vLLM's --enable-expert-parallel (1: neither)."""
+    if args.expert_parallel_size is not None and args.enable_expert_parallel \
+            and args.expert_parallel_size != args.tensor_parallel_size:
+        raise ValueError(f"--enable-expert-parallel splits the experts over the --tensor-parallel-size "
+                         f"{args.tensor_parallel_size} devices; --expert-parallel-size {args.expert_parallel_size} "
+                         "says otherwise: give one of the two")
+    if args.expert_parallel_size is not None:
+        return args.expert_parallel_size
+    return args.tensor_parallel_size if args.enable_expert_parallel else 1
 
 
 def serve(args) -> int:
