@@ -13,6 +13,7 @@ The routers are drawn wider than the other weights (std 0.6) so that routing dec
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import jax
@@ -263,3 +264,48 @@ def test_an_expert_parallel_size_that_does_not_divide_the_experts_is_refused(moe
         expert_parallel().check(fake, config)
     with pytest.raises(ValueError, match="expert_parallel_size 2 and tensor_parallel_size 4"):
         LLM(model=str(directory), tensor_parallel_size=4, expert_parallel_size=2)
+
+
+def test_an_moe_model_runs_under_every_engine_feature(moe_models, default_model, tmp_path):
+    """Qwen2-MoE (shared expert, biases) through what dense models have, each against HF's greedy tokens:
+    prefix caching on a shared prefix, chunked prefill under a small token budget, swap preemption in a pool
+    too small for all at once, ngram speculation, a structured-output request (its regex matched),
+    and an engine paused mid-run and restored (`save` / `restore`) that finishes with the same tokens."""
+    from jpaged.engine import LLMEngine
+
+    directory, _, model = moe_models["qwen2_moe"]
+    shared = "You are a helpful assistant who answers briefly and precisely. "
+    prompts = [shared + p for p in PROMPTS] + PROMPTS
+    ids = [list(default_model.tokenizer(p).input_ids) for p in prompts]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = [hf_greedy(model, p, 10) for p in ids]
+    settings = dict(model=str(directory), block_size=4, num_blocks=20, enable_prefix_caching=True,
+                    max_num_batched_tokens=24, preemption_mode="swap", swap_space=0.01,
+                    speculative_method="ngram", num_speculative_tokens=2)
+    llm = LLM(**settings)
+    outs = llm.generate(ids, greedy, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0, stats
+    llm.engine.scheduler.block_manager.check_invariants()
+
+    pattern = r"(yes|no), [0-9]{2}!"
+    out = llm.generate([ids[2]], SamplingParams(temperature=0, max_tokens=30, structured_outputs={"regex": pattern}),
+                       use_tqdm=False)[0]
+    assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+
+    engine = LLMEngine(**settings)
+    for i, p in enumerate(ids):
+        engine.add_request(str(i), p, greedy)
+    for _ in range(4):
+        engine.step()
+    engine.save(tmp_path / "paused")
+    restored = LLMEngine.restore(tmp_path / "paused")
+    finished = {}
+    while restored.has_unfinished():
+        for o in restored.step():
+            if o.finished:
+                finished[o.request_id] = list(o.outputs[0].token_ids)
+    assert [finished[str(i)] for i in range(len(ids)) if str(i) in finished] == \
+        [e for i, e in enumerate(expected) if str(i) in finished]
+    assert len(finished) >= 1
