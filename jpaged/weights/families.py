@@ -332,6 +332,10 @@ GGUF_LAYER_NAMES = {
     "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
     "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
     "post_attn_norm": "post_attention_norm", "post_mlp_norm": "post_ffw_norm",
+    # a mixture of experts: the router, each layer's experts as one stack [E, out, in], the shared expert
+    "router": "ffn_gate_inp", "experts_gate": "ffn_gate_exps", "experts_up": "ffn_up_exps",
+    "experts_down": "ffn_down_exps", "shared_w_gate": "ffn_gate_shexp", "shared_w_up": "ffn_up_shexp",
+    "shared_w_down": "ffn_down_shexp", "shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
@@ -359,6 +363,11 @@ class GGUFArch:
     query_scalar_by_hidden  None: attention scale head_dim^-1/2 unless the file has `attention.scale`.
                       Else (Gemma) llama.cpp's rule: query_pre_attn_scalar is hidden / heads for models
                       of these layer counts (the 27B), head_dim otherwise
+    moe_model_type    the HF family a file of this architecture with experts (`{arch}.expert_count` > 0)
+                      loads as (Mixtral is written as 'llama'); None: its experts are `model_type`'s own
+    renormalize_experts  llama.cpp's built-in choice to renormalize the top-k router probabilities (its
+                      `build_moe_ffn(..., norm_w)`; no converter writes HF's `norm_topk_prob`), unless the
+                      file has `expert_weights_norm`
     """
 
     model_type: str
@@ -372,6 +381,8 @@ class GGUFArch:
     swa_rope_theta: float | None = None
     softcaps: tuple[float | None, float | None] = (None, None)
     query_scalar_by_hidden: tuple[int, ...] | None = None
+    moe_model_type: str | None = None
+    renormalize_experts: bool = False
 
     def layer_names(self) -> dict[str, str]:
         """Every LayerParams leaf this architecture stores unfused -> its tensor name in a layer."""
@@ -380,7 +391,8 @@ class GGUFArch:
 
 _GGUF_GEMMA = dict(norm_shift=1.0, activation="gelu_tanh")
 GGUF_ARCHS: dict[str, GGUFArch] = {
-    "llama": GGUFArch("llama", name_hints={"mistral": "mistral"}, permute_qk=True),
+    "llama": GGUFArch("llama", name_hints={"mistral": "mistral"}, permute_qk=True, moe_model_type="mixtral",
+                      renormalize_experts=True),
     "qwen2": GGUFArch("qwen2"),
     "qwen3": GGUFArch("qwen3"),
     "phi3": GGUFArch("phi3", fused={"attn_qkv": ("wq", "wk", "wv"), "ffn_up": ("w_gate", "w_up")}),
@@ -388,11 +400,14 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
                        query_scalar_by_hidden=(46,)),
     "gemma3": GGUFArch("gemma3_text", **_GGUF_GEMMA, swa_pattern=6, swa_rope_theta=10000.0,
                        query_scalar_by_hidden=(62,)),
+    # mixtures of experts (llama.cpp's qwen2moe.cpp, qwen3moe.cpp, olmoe.cpp; Mixtral is 'llama')
+    "qwen2moe": GGUFArch("qwen2_moe"),
+    "qwen3moe": GGUFArch("qwen3_moe", renormalize_experts=True),
+    "olmoe": GGUFArch("olmoe"),
 }
 # `{arch}.` keys that change the forward pass in ways jpaged does not implement: refused when present
 # (with a value other than the harmless one, where one is given)
 GGUF_UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
-    "expert_count": (0, "a mixture of experts"),
     "attention.causal": (True, "bidirectional attention"),
     "logit_scale": (None, "scaled logits"),
     "embedding_scale": (None, "scaled embeddings"),

@@ -350,9 +350,15 @@ def gguf_config(path: pathlib.Path, reader=None, tokenizer=None) -> ModelConfig:
     arch = gf.get("general.architecture")
     spec = families.gguf_arch(arch, where)
     name = str(gf.get("general.name", "")).lower()
-    model_type = next((t for hint, t in spec.name_hints.items() if hint in name), spec.model_type)
-    fam = families.FAMILIES[model_type]
     meta = lambda key, default=None: gf.get(f"{arch}.{key}", default)  # noqa: E731
+    num_experts = meta("expert_count", 0) or 0
+    model_type = next((t for hint, t in spec.name_hints.items() if hint in name), spec.model_type)
+    if num_experts and spec.moe_model_type is not None:
+        model_type = spec.moe_model_type
+    fam = families.FAMILIES[model_type]
+    if num_experts and fam.experts is None:
+        raise ValueError(f"{where}: {arch}.expert_count = {num_experts!r} (a mixture of experts) is not supported "
+                         f"in a {arch} file")
 
     for tensor in families.GGUF_LONGROPE_TENSORS:
         if tensor in gf.tensors:
@@ -437,7 +443,17 @@ def gguf_config(path: pathlib.Path, reader=None, tokenizer=None) -> ModelConfig:
         final_logit_softcap=meta("final_logit_softcapping", spec.softcaps[1]),
     )
     fields.update(fam.declarations)
-    return ModelConfig(**fields)
+    if num_experts:
+        e = _gguf_ints(gf, arch, where, used="expert_used_count", size="expert_feed_forward_length",
+                       shared="expert_shared_feed_forward_length")
+        fields.update(num_experts=int(num_experts), num_experts_per_tok=int(e["used"] or 0),
+                      moe_intermediate_size=int(e["size"] or v["inter"]),
+                      norm_topk_prob=bool(meta("expert_weights_norm", spec.renormalize_experts)),
+                      shared_expert_intermediate_size=int(e["shared"] or 0) if fam.experts.shared else 0)
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:  # contradicting keys (expert_used_count above expert_count, ...)
+        raise ValueError(f"{where}: {e}") from e
 
 
 def _from_gguf_layout(spec: families.GGUFArch, key: str, w: np.ndarray, config: ModelConfig) -> np.ndarray:
