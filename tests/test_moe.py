@@ -29,6 +29,7 @@ from jpaged import LLM, SamplingParams, weights
 from jpaged.device import moe
 from jpaged.device.attention import get_backend
 from jpaged.device.model import sequence_logits
+from jpaged.device.quant import dequantize, quantize
 
 _COMMON = dict(hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
@@ -158,6 +159,24 @@ def test_tiled_and_grouped_experts_match_the_dense_reference(num_tokens):
         halves = sum(path(h, weights, experts, gate[1, r * 4:(r + 1) * 4], up[1, r * 4:(r + 1) * 4],
                           down[1, r * 4:(r + 1) * 4], jax.nn.silu, first_expert=r * 4) for r in range(2))
         for got in (one, stacked, halves):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [2, 40])
+def test_int8_experts_compute_with_their_dequantized_weights(num_tokens):
+    """`quantization="int8"` stores each expert int8 with a scale per output channel; both paths, on the stack
+    and on one layer's experts (the unrolled layers), give the dense reference on the dequantized weights."""
+    gate, up, down, h, router = _random_experts()
+    h = h[:num_tokens]
+    weights, experts = moe.route(h, router, top_k=3, renormalize=True)
+    q = [quantize(w, w.shape[2:], (0,)) for w in (gate, up, down)]
+    assert q[0].values.dtype == jnp.int8 and q[0].values.shape == (2, 8, 24, 32)
+    ref = moe.dense_reference(h, weights, experts, *(dequantize(w)[0] for w in q), jax.nn.silu)
+    assert float(jnp.abs(ref - moe.dense_reference(h, weights, experts, gate[0], up[0], down[0], jax.nn.silu)).max()) > 0
+    for path in (moe.tiled_experts, moe.grouped_experts):
+        stacked = path(h, weights, experts, *q, jax.nn.silu, layer=jnp.int32(0))
+        one = path(h, weights, experts, *(w.replace(values=w.values[0], scales=w.scales[0]) for w in q), jax.nn.silu)
+        for got in (stacked, one):
             np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5, rtol=1e-5)
 
 

@@ -222,6 +222,7 @@ def _layer_params(stacks, sliced, layer_id):
     chosen experts of layer `layer_id` out of them), the other leaves from `sliced` (one layer's, as a scan
     hands them), or indexed from `stacks` when `sliced` is None."""
     experts = {name: getattr(stacks, name) for name in EXPERT_LEAVES}
+    stacks = stacks.replace(**dict.fromkeys(EXPERT_LEAVES))
     if sliced is None:
         return jax.tree.map(lambda a: a.of_layer(layer_id) if _is_weight(a) else a[layer_id], stacks,
                             is_leaf=_is_weight).replace(**experts)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jpaged.device.params import from_storage
+from jpaged.device.quant import QuantizedWeight, dequantize, dequantize_rows
 
 
 def route(h, router, *, top_k: int, renormalize: bool):
@@ -58,13 +59,24 @@ def _dot(spec: str, x, w):
     return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
+def _slice(a, index):
+    """a[index] of the leading axes `index` (traced), the trailing two axes whole (a dynamic slice: only
+    that expert's weights are read)."""
+    starts = (*index, *(0,) * (a.ndim - len(index)))
+    sizes = (1,) * len(index) + a.shape[len(index):]
+    return jax.lax.dynamic_slice(a, starts, sizes).reshape(a.shape[len(index):])
+
+
 def _expert(w, layer, e):
-    """Expert `e`'s weight of one projection: `w` f[L, E, a, b] (a layer stack, read at `layer`: only this
-    expert's weights are copied out of it) or f[E, a, b] (one layer's); bfloat16 bits become bfloat16."""
-    index = (layer, e) if w.ndim == 4 else (e,)
-    starts = (*index, 0, 0)
-    sizes = (1,) * len(index) + w.shape[-2:]
-    return from_storage(jax.lax.dynamic_slice(w, starts, sizes).reshape(w.shape[-2:]))
+    """Expert `e`'s weight of one projection, f[in, out]: `w` f[L, E, in, out] (a layer stack, read at
+    `layer`) or f[E, in, out] (one layer's); bfloat16 bits become bfloat16; int8 (a `QuantizedWeight` of
+    `jpaged.device.quant.quantize_params`, rows [.., out, in] with their scales) is dequantized, that expert's
+    rows alone."""
+    if isinstance(w, QuantizedWeight):
+        index = (layer, e) if w.values.ndim == 4 else (e,)
+        rows = dequantize_rows(_slice(w.values, index), _slice(w.scales, index))
+        return rows.astype(w.dtype).T
+    return from_storage(_slice(w, (layer, e) if w.ndim == 4 else (e,)))
 
 
 def _sorted_pairs(weights, experts, num_local, first_expert):
@@ -97,7 +109,7 @@ def tiled_experts(h, weights, experts, gate, up, down, activation, *, layer=None
     weights alone, and adds its rows' weighted outputs onto their tokens. Experts no pair chose cost
     nothing: no tile reads them. (XLA's CPU `ragged_dot` computes every group over every row.)"""
     n, k = experts.shape
-    num_pairs, num_local = n * k, gate.shape[-3]
+    num_pairs, num_local = n * k, (gate.values.shape[-3] if isinstance(gate, QuantizedWeight) else gate.shape[-3])
     order, sizes, pair_weights = _sorted_pairs(weights, experts, num_local, first_expert)
     rows = tile_rows(num_pairs, num_local)
     tiles = (sizes + rows - 1) // rows
@@ -128,9 +140,12 @@ def tiled_experts(h, weights, experts, gate, up, down, activation, *, layer=None
 def grouped_experts(h, weights, experts, gate, up, down, activation, *, layer=None, first_expert=0):
     """`tiled_experts`' sum as one `jax.lax.ragged_dot` per projection over the sorted pairs (a grouped
     matmul where the backend has one: GPUs, TPUs), then weighted and scattered back onto the tokens."""
-    if gate.ndim == 4:
-        gate, up, down = (w[layer] for w in (gate, up, down))
-    gate, up, down = (from_storage(w) for w in (gate, up, down))
+    def whole(w):  # this layer's experts f[E, in, out]
+        if isinstance(w, QuantizedWeight):
+            return dequantize(w.replace(values=w.values[layer], scales=w.scales[layer]) if w.values.ndim == 4 else w)
+        return from_storage(w[layer] if w.ndim == 4 else w)
+
+    gate, up, down = (whole(w) for w in (gate, up, down))
     n, k = experts.shape
     order, sizes, pair_weights = _sorted_pairs(weights, experts, gate.shape[0], first_expert)
     tokens = order // k

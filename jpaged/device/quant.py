@@ -152,6 +152,8 @@ WIDEN16_MIN_ROWS = 128  # rows from which XLA's 16-bit products run in float32 w
 ROW_DTYPES = (jnp.bfloat16, jnp.float32)  # the float weights `float_rows` takes
 IN_AXES = {"embed": (1,), "lm_head": (0,), "wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": (0,),
            "w_up": (0,), "w_down": (0,)}  # the contracted logical axes of each dense leaf of params.py
+# the same for a mixture of experts' stacked experts ([L, E, in, out]: each expert one weight of logical shape [in, out])
+EXPERT_IN_AXES = {"experts_gate": (0,), "experts_up": (0,), "experts_down": (0,)}
 
 
 @struct.dataclass
@@ -488,8 +490,8 @@ def check_quantization(quantization) -> None:
 
 
 def quantize_params(params, quantization: str = "int8", dtype=jnp.float32):
-    """`params` (a `LlamaParams`) with every dense weight (`IN_AXES`) int8, one scale per output channel
-    (the embedding: per vocabulary row); norms and biases stay as they are, and so do leaves that are
+    """`params` (a `LlamaParams`) with every dense weight (`IN_AXES`) and every expert (`EXPERT_IN_AXES`) int8, one
+    scale per output channel (the embedding: per vocabulary row); norms, biases and routers stay as they are, and so do leaves that are
     already quantized (a Q8_0 file's blocks). Tied embeddings get `lm_head = embed.T`, the same arrays
     viewed as [hidden, vocab] (what the runner makes of a float tied head by copying). `dtype`: the
     parameters' (`EngineConfig.dtype`); under bfloat16 every int8 weight, new or not, computes in bfloat16
@@ -499,5 +501,8 @@ def quantize_params(params, quantization: str = "int8", dtype=jnp.float32):
         return params
     compute = "bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32"
     params = _map_dense(params, quantize)
+    experts = {name: quantize(w, w.shape[2:], in_axes) for name, in_axes in EXPERT_IN_AXES.items()
+               for w in (getattr(params.layers, name),) if w is not None and not isinstance(w, QuantizedWeight)}
+    params = params.replace(layers=params.layers.replace(**experts))  # one scale per output channel of each expert
     return jax.tree.map(lambda w: w.replace(compute_dtype=compute) if isinstance(w, QuantizedWeight) and not w.is_float
                         else w, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
