@@ -164,12 +164,13 @@ _LLAMA = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_si
      "rope_parameters.rope_type 'longrope'"),
     (dict(_LLAMA, mlp_bias=True), "mlp_bias = True"),
     (dict(_LLAMA, attention_bias=True), "attention_bias = True"),
-    (dict(_LLAMA, model_type="mixtral", num_local_experts=8), "model_type 'mixtral' is not supported"),
+    (dict(_LLAMA, num_local_experts=8), "num_local_experts = 8 (a mixture of experts, in a family jpaged runs dense)"),
+    (dict(_LLAMA, model_type="deepseek_v3"), "multi-head latent attention"),
     (dict(_LLAMA, model_type="gemma3", vision_config={}), "vision tower (vision_config)"),
     (dict(transformers.Phi3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                   num_attention_heads=2, pad_token_id=0).to_dict(), partial_rotary_factor=0.5),
      "partial_rotary_factor"),
-], ids=["longrope", "mlp_bias", "attention_bias", "moe", "vision", "partial_rope"])
+], ids=["longrope", "mlp_bias", "attention_bias", "moe", "mla", "vision", "partial_rope"])
 def test_unsupported_configs_are_refused_naming_the_field(tmp_path, config, field):
     directory = _config_dir(tmp_path, config)
     with pytest.raises(ValueError) as error:

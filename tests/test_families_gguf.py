@@ -280,11 +280,13 @@ _STR, _U32 = gguf.GGUFValueType.STRING, gguf.GGUFValueType.UINT32
     ("mamba", {}, {}, "general.architecture 'mamba' is not supported"),
     ("llama", {"rope.scaling.type": ("longrope", _STR)}, {}, "llama.rope.scaling.type = 'longrope'"),
     ("qwen2", {"rope.scaling.type": ("su", _STR)}, {}, "qwen2.rope.scaling.type = 'su'"),
-    ("llama", {"expert_count": (8, _U32)}, {}, "llama.expert_count = 8 (a mixture of experts)"),
+    ("qwen2", {"expert_count": (8, _U32)}, {}, "qwen2.expert_count = 8 (a mixture of experts) is not supported"),
+    ("llama", {"expert_count": (8, _U32), "expert_used_count": (9, _U32)}, {},
+     "num_experts_per_tok (9) must be between 1 and num_experts (8)"),
     ("llama", {"rope.dimension_count": (4, _U32)}, {}, "llama.rope.dimension_count = 4"),
     ("llama", {}, {"rope_freqs.weight": np.array([1.0, 3.0, 2.0, 5.0], np.float32)}, "tensor rope_freqs.weight"),
     ("phi3", {}, {"rope_factors_long.weight": np.ones(4, np.float32)}, "tensor rope_factors_long.weight"),
-], ids=["architecture", "rope_type", "rope_type_qwen2", "moe", "partial_rope", "rope_freqs", "longrope"])
+], ids=["architecture", "rope_type", "rope_type_qwen2", "moe", "moe_top_k", "partial_rope", "rope_freqs", "longrope"])
 def test_unsupported_gguf_metadata_is_refused_naming_the_key(tmp_path, monkeypatch, arch, keys, tensors, named):
     """Refused by `read_config` and `load_model` before any weight or the tokenizer is read, in one
     line naming the key (or the tensor that stands for it)."""
