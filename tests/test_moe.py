@@ -218,7 +218,8 @@ def test_a_router_tie_gives_hfs_output():
                                experts_gate=jnp.asarray(gate_up[:, :12].transpose(0, 2, 1)),
                                experts_up=jnp.asarray(gate_up[:, 12:].transpose(0, 2, 1)),
                                experts_down=jnp.asarray(block.experts.down_proj.detach().numpy().transpose(0, 2, 1))))
-    ours = moe.sparse_mlp(jnp.asarray(h.numpy()), layer, weights_config(config), jax.nn.silu)
+    ours, routed = moe.sparse_mlp(jnp.asarray(h.numpy()), layer, weights_config(config), jax.nn.silu)
+    assert (np.asarray(routed) == np.asarray(experts)).all()
     np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-5)
 
 

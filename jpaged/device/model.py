@@ -130,12 +130,14 @@ def apply_rope(x, cos, sin):
 
 
 def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config: ModelConfig, backend,
-            num_layers: Optional[int] = None, experts: Optional[ExpertSharding] = None):
+            num_layers: Optional[int] = None, experts: Optional[ExpertSharding] = None, return_routing: bool = False):
     """Runs the decoder on the packed tokens of `inputs`, writing their K/V into `cache`.
 
     Returns (cache, hidden f[N, hidden]), one hidden state per packed token, after the final norm.
     `num_layers` (static): only the first layers (self-drafting's early exit; their K/V alone written).
     `experts` (static): how a sharded step splits the sparse layers' experts (`jpaged.device.moe`).
+    `return_routing` (static, a mixture of experts): also the experts each token was routed to, i32[L, N, k]
+    (a third result), to observe the routing (`sequence_routing`).
     """
     c = config
     norm = lambda x, w: rms_norm(x, w, c.rms_norm_eps, c.norm_offset)  # noqa: E731
@@ -170,20 +172,23 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
         out = _output_projection(attn, p.wo)
         x = x + (norm(out, p.post_attn_norm) if c.sandwich_norms else out)
         h = norm(x, p.mlp_norm)
+        routed = None
         if c.is_moe:
-            out = sparse_mlp(h, p, c, activation, experts, layer_id)
+            out, routed = sparse_mlp(h, p, c, activation, experts, layer_id)
         else:
             gate, up = _matmuls("th,hi->ti", h, (p.w_gate, p.w_up))
             out = _matmul("ti,ih->th", activation(gate) * up, p.w_down)
         x = x + (norm(out, p.post_mlp_norm) if c.sandwich_norms else out)
-        return (x, pool), None
+        return (x, pool), routed if return_routing else None
 
     layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
     if isinstance(params.layers, tuple):  # one LayerParams a layer (`unstack_layers`): the layers unrolled
-        carry = (x, cache.kv)
+        carry, routing = (x, cache.kv), []
         for i, p in enumerate(params.layers[:num_layers]):
-            carry, _ = layer(carry, (p, i, int(layer_rope[i]), windows[i]))
+            carry, routed = layer(carry, (p, i, int(layer_rope[i]), windows[i]))
+            routing.append(routed)
         x, pool = carry
+        routing = jnp.stack(routing) if return_routing else None
     elif num_layers is None or num_layers == c.num_layers:
         # the scan slices the float leaves; int8 and 16-bit rows stay stacks that the native kernels index
         stacks, sliced = _split_stacks(params.layers)
@@ -191,15 +196,19 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
         def each_layer(carry, inputs):
             return layer(carry, (_layer_params(stacks, inputs[0], inputs[1]), *inputs[1:]))
 
-        (x, pool), _ = jax.lax.scan(each_layer, (x, cache.kv), (sliced, layer_ids, layer_rope, windows))
+        (x, pool), routing = jax.lax.scan(each_layer, (x, cache.kv), (sliced, layer_ids, layer_rope, windows))
     else:  # the first layers: each indexed from the stack in its iteration (a slice of the stack would be a copy)
         def first_layers(carry, inputs):
             layer_id = inputs[0]
             return layer(carry, (_layer_params(params.layers, None, layer_id), *inputs))
 
-        (x, pool), _ = jax.lax.scan(first_layers, (x, cache.kv), (layer_ids[:num_layers], layer_rope[:num_layers],
+        (x, pool), routing = jax.lax.scan(first_layers, (x, cache.kv), (layer_ids[:num_layers], layer_rope[:num_layers],
                                                                    windows[:num_layers]))
     x = norm(x, from_storage(params.final_norm))
+    if return_routing:
+        if not c.is_moe:
+            raise ValueError(f"return_routing: the model ({c.architecture}) has no experts")
+        return KVCache(kv=pool), x, routing
     return KVCache(kv=pool), x
 
 
@@ -295,6 +304,14 @@ def sequence_logits(params: LlamaParams, sequences: Sequence[Sequence[int]], *, 
     predicts token t + 1): the engine's prefill over a scratch KV pool holding these sequences alone,
     so a differentiable function of `params` (`jax.grad` of a loss built on it fine-tunes them).
     Token ids are static: each new set of lengths traces anew. `backend`: the XLA path by default."""
+    inputs, cache, starts = _scratch_prefill(sequences, config, params)
+    _, hidden = forward(params, cache, inputs, config=config, backend=backend or XLABackend())
+    return [compute_logits(params, hidden[a:b], config=config) for a, b in zip(starts, starts[1:])]
+
+
+def _scratch_prefill(sequences, config, params):
+    """(inputs, a scratch KV pool, each sequence's start among the packed tokens and the end) of a prefill of
+    `sequences` alone, each from position 0 in blocks of its own."""
     bs, rows, next_block = _SCRATCH_BLOCK_SIZE, [], 1  # block 0 is the null block
     for ids in sequences:
         n = len(ids)
@@ -305,6 +322,15 @@ def sequence_logits(params: LlamaParams, sequences: Sequence[Sequence[int]], *, 
         rows.append(_Row(list(ids), 0, [table[p // bs] * bs + p % bs for p in range(n)], table))
     inputs = pack_rows(rows, block_size=bs, q_tile=64, k_tile=128)
     cache = KVCache.create(config, next_block, bs, params.embed.dtype)
-    _, hidden = forward(params, cache, inputs, config=config, backend=backend or XLABackend())
-    starts = [0, *itertools.accumulate(len(ids) for ids in sequences)]
-    return [compute_logits(params, hidden[a:b], config=config) for a, b in zip(starts, starts[1:])]
+    return inputs, cache, [0, *itertools.accumulate(len(ids) for ids in sequences)]
+
+
+def sequence_routing(params: LlamaParams, sequences: Sequence[Sequence[int]], *, config: ModelConfig,
+                     backend=None) -> list[np.ndarray]:
+    """The experts each token of each sequence is routed to, i32[num_layers, len(s), num_experts_per_tok] per
+    sequence (a mixture of experts; the prefill `sequence_logits` runs): what `jpaged.entrypoints.viz`'s
+    `draw_expert_load` counts."""
+    inputs, cache, starts = _scratch_prefill(sequences, config, params)
+    _, _, routing = forward(params, cache, inputs, config=config, backend=backend or XLABackend(), return_routing=True)
+    routing = np.asarray(routing)
+    return [routing[:, a:b] for a, b in zip(starts, starts[1:])]

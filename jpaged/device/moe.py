@@ -213,7 +213,8 @@ class ExpertSharding:
 def sparse_mlp(h, p, config, activation, sharding: Optional[ExpertSharding] = None, layer=None):
     """A sparse layer's MLP on tokens h f32[N, hidden] with layer parameters `p` (`LayerParams`; its expert
     leaves one layer's, or the whole layer stacks to be read at `layer`): the routed experts' weighted
-    sum, plus the shared expert where the family has one. Returns f32[N, hidden]."""
+    sum, plus the shared expert where the family has one. Returns (f32[N, hidden], the experts each token was
+    routed to, i32[N, k])."""
     weights, experts = route(h, p.router, top_k=config.num_experts_per_tok, renormalize=config.norm_topk_prob)
     gate, up, down = p.experts_gate, p.experts_up, p.experts_down
     if sharding is None or not sharding.axes:
@@ -225,4 +226,4 @@ def sparse_mlp(h, p, config, activation, sharding: Optional[ExpertSharding] = No
         shared = _dot("ti,ih->th", shared, p.shared_w_down)
         scale = jax.nn.sigmoid(_dot("th,h->t", h, p.shared_expert_gate))
         out = out + scale[:, None] * shared
-    return out
+    return out, experts

@@ -14,6 +14,8 @@ public state and draws it; none decides anything:
   swaps and preemptions (`StepRecord`s);
 - `draw_runs(runs)`: KV utilization and running requests per step of several runs side by side;
 - `draw_bars(groups)`: grouped bars (systems side by side, e.g. from `bench/results/`);
+- `draw_expert_load(routing, num_experts)`: a mixture of experts' routing, tokens per expert per layer
+  (`jpaged.device.model.sequence_routing`);
 - `sharing_summary(kv)`: blocks held with sharing against blocks held with a private copy each.
 """
 
@@ -435,5 +437,37 @@ def draw_bars(groups: Mapping[str, Mapping[str, float]], *, ylabel: str = "", ti
     ax.set_ylabel(ylabel + (" (%)" if percent else ""))
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def expert_load(routing: Sequence, num_experts: int):
+    """Tokens routed to each expert in each layer, i64[layers, num_experts], from `sequence_routing`'s
+    i32[layers, tokens, k] per sequence (a token counts once for each of its k experts)."""
+    import numpy as np
+
+    counts = None
+    for r in routing:
+        r = np.asarray(r)
+        one = np.stack([np.bincount(layer.reshape(-1), minlength=num_experts) for layer in r])
+        counts = one if counts is None else counts + one
+    return counts
+
+
+def draw_expert_load(routing: Sequence, num_experts: int, *, title: str = "", ax=None):
+    """A heat map of `expert_load`: a row per layer, a column per expert, each cell the tokens routed there
+    (an expert no token chose is a 0 cell). Returns the figure."""
+    plt = _plt()
+    counts = expert_load(routing, num_experts)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(max(5.0, 0.25 * num_experts + 2), 0.45 * len(counts) + 1.6))
+    else:
+        fig = ax.figure
+    image = ax.imshow(counts, aspect="auto", cmap="viridis")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("layer")
+    ax.set_yticks(range(len(counts)))
+    ax.set_title(title or f"tokens per expert per layer ({int(counts[0].sum())} routed a layer)", fontsize=9)
+    fig.colorbar(image, ax=ax, label="tokens")
     fig.tight_layout()
     return fig
