@@ -6,6 +6,9 @@ starts). For each family it builds the tiny random HF model (`build_moe`: 4 quer
 Mixtral 4), loads it once, and records the greedy tokens of `PROMPTS` (10 new tokens, EOS ignored, block size 4)
 on one device and under each of `RUNS`, HF's `generate` on the same prompts, and the collectives of each run's
 compiled decode step (`bench.sharding.collectives`: ops and bytes). The assertions live in the test module.
+
+`--build DIR` saves Qwen3-MoE's tiny model in DIR and prints HF's tokens; `--process ADDRESS N I DIR` is then process
+I of N under `jax.distributed`, one forced CPU device each, the experts split over the N processes' devices.
 """
 
 from __future__ import annotations
@@ -82,8 +85,35 @@ def main(names) -> None:
     print(json.dumps(result))
 
 
+def process_main(address: str, num_processes: int, process_id: int, directory: str) -> None:
+    """Process `process_id` of `num_processes` under `jax.distributed` (one forced CPU device each): Qwen3-MoE (built
+    by process 0 into `directory` beforehand, read by all) with its experts split over the processes' devices,
+    process 0 alone giving the requests; prints the tokens it got and HF's."""
+    from jpaged.device import distributed
+
+    distributed.initialize(address, num_processes, process_id, initialization_timeout=120)
+    enable_compilation_cache()
+    torch.set_num_threads(1)
+    tok = tokenizer()
+    ids = [list(tok(p).input_ids) for p in PROMPTS]
+    llm = LLM(model=directory, num_blocks=NUM_BLOCKS, block_size=4, expert_parallel_size=num_processes)
+    outs = llm.generate(ids if process_id == 0 else [], GREEDY if process_id == 0 else None, use_tqdm=False)
+    decode = [e for (n, _), e in llm.engine.runner.executables.items() if n == "decode_step"]
+    print(json.dumps({"process_id": jax.process_index(), "num_devices": jax.device_count(),
+                      "local_devices": jax.local_device_count(), "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                      "collectives": collectives(decode[-1])}), flush=True)
+    jax.distributed.shutdown()
+
+
 if __name__ == "__main__":
-    chosen = list(MOE_FAMILIES)
-    if sys.argv[1:2] == ["--families"]:
-        chosen = sys.argv[2].split(",")
-    main(chosen)
+    if sys.argv[1:2] == ["--build"]:  # the model the processes share, and HF's tokens on PROMPTS
+        tok = tokenizer()
+        hf = build_moe("qwen3_moe", pathlib.Path(sys.argv[2]), tok)
+        print(json.dumps({"hf": [hf_greedy(hf, list(tok(p).input_ids), MAX_TOKENS) for p in PROMPTS]}))
+    elif sys.argv[1:2] == ["--process"]:
+        process_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    else:
+        chosen = list(MOE_FAMILIES)
+        if sys.argv[1:2] == ["--families"]:
+            chosen = sys.argv[2].split(",")
+        main(chosen)

@@ -5,7 +5,8 @@ tiny MoE family of `tests/test_moe.py` on one device, with its experts split ove
 whole on each), under tensor parallel 2 (each expert's intermediate axis split), tensor parallel 2 with the
 experts split over the same 2 devices, data parallel 2, and data parallel 2 x expert parallel 2; and HF's
 `generate`. Two workers at once, on half the families each. The collectives of each compiled decode step are
-counted from its HLO: expert parallelism adds one all-reduce per layer, of the step's f32[rows, hidden].
+counted from its HLO: expert parallelism adds one all-reduce per layer, of the step's f32[rows, hidden]. And two
+processes (`jax.distributed`, one device each) with the experts split over them, process 0 giving the requests.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import pathlib
 import sys
 
 import pytest
+
+import socket
 
 from workers import run_workers, worker_env
 
@@ -57,3 +60,19 @@ def test_expert_parallelism_combines_with_one_all_reduce_a_layer(seen, name):
     assert ep2["counts"] == ep2["in_loop"] == {"all-reduce": 1}
     assert ep2["bytes"] == {"all-reduce": 4 * DECODE_ROWS * HIDDEN}
     assert tp2ep2["in_loop"]["all-reduce"] == (3 if name == "olmoe" else 2)
+
+
+def test_two_processes_split_the_experts_and_give_hfs_tokens(tmp_path):
+    """Qwen3-MoE with expert parallel size 2 over two processes of one device each (gloo's all-reduce combines
+    the experts across them): both processes return HF's greedy tokens."""
+    directory = tmp_path / "qwen3_moe"
+    built = run_workers([[str(WORKER), "--build", str(directory)]], worker_env(1), timeout=300)[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argvs = [[str(WORKER), "--process", f"127.0.0.1:{port}", "2", str(i), str(directory)] for i in range(2)]
+    runs = run_workers(argvs, worker_env(1), timeout=400)
+    for i, run in enumerate(runs):
+        assert run["process_id"] == i and run["num_devices"] == 2 and run["local_devices"] == 1
+        assert run["tokens"] == built["hf"], f"process {i}"
+        assert run["collectives"]["in_loop"] == {"all-reduce": 1}
