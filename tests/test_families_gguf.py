@@ -160,6 +160,11 @@ def write_gguf(path, directory, hf_config, tokenizer_fields, extra_keys=True):
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
 
+    return finish_gguf(w, path, tokenizer_fields)
+
+
+def finish_gguf(w, path, tokenizer_fields):
+    """Adds the tokenizer fields to writer `w` and writes its file at `path`; returns `path`."""
     for key, (value, vtype, sub_type) in tokenizer_fields.items():
         w.add_key_value(key, value, vtype, sub_type)
     w.write_header_to_file()

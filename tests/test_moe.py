@@ -29,7 +29,8 @@ from jpaged import LLM, SamplingParams, weights
 from jpaged.device import moe
 from jpaged.device.attention import get_backend
 from jpaged.device.model import sequence_logits
-from jpaged.device.quant import dequantize, quantize
+from jpaged.device.quant import dequantize, float_rows, quantize
+from test_families import hf_greedy
 
 _COMMON = dict(hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
@@ -85,13 +86,6 @@ def moe_models(tmp_path_factory, default_model):
         save_fused(model, root / f"{name}-fused", default_model.tokenizer)
         models[name] = (root / name, root / f"{name}-fused", model)
     return models
-
-
-def hf_greedy(model, ids, max_tokens):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.mark.parametrize("name", list(MOE_FAMILIES))
@@ -163,19 +157,25 @@ def test_tiled_and_grouped_experts_match_the_dense_reference(num_tokens):
 
 
 @pytest.mark.parametrize("num_tokens", [2, 40])
-def test_int8_experts_compute_with_their_dequantized_weights(num_tokens):
-    """`quantization="int8"` stores each expert int8 with a scale per output channel; both paths, on the stack
-    and on one layer's experts (the unrolled layers), give the dense reference on the dequantized weights."""
+@pytest.mark.parametrize("kind", ["int8", "float_rows"])
+def test_int8_and_float_row_experts_compute_with_their_weights(num_tokens, kind):
+    """`quantization="int8"` stores each expert int8 with a scale per output channel, and a CPU engine its float
+    experts as float rows (`float_row_params`), [L, E, out, in], which the native kernels read in place (2 rows:
+    the decode path) or XLA (40 rows: more than a native call takes); both paths, on the stack and on one
+    layer's experts (the unrolled layers), give the dense reference on the weights they hold."""
     gate, up, down, h, router = _random_experts()
     h = h[:num_tokens]
     weights, experts = moe.route(h, router, top_k=3, renormalize=True)
-    q = [quantize(w, w.shape[2:], (0,)) for w in (gate, up, down)]
-    assert q[0].values.dtype == jnp.int8 and q[0].values.shape == (2, 8, 24, 32)
+    convert = quantize if kind == "int8" else float_rows
+    q = [convert(w, w.shape[2:], (0,)) for w in (gate, up, down)]
+    assert q[0].values.dtype == (jnp.int8 if kind == "int8" else jnp.float32) and q[0].values.shape == (2, 8, 24, 32)
     ref = moe.dense_reference(h, weights, experts, *(dequantize(w)[0] for w in q), jax.nn.silu)
-    assert float(jnp.abs(ref - moe.dense_reference(h, weights, experts, gate[0], up[0], down[0], jax.nn.silu)).max()) > 0
+    exact = float(jnp.abs(ref - moe.dense_reference(h, weights, experts, gate[0], up[0], down[0], jax.nn.silu)).max())
+    assert exact > 0 if kind == "int8" else exact == 0
     for path in (moe.tiled_experts, moe.grouped_experts):
         stacked = path(h, weights, experts, *q, jax.nn.silu, layer=jnp.int32(0))
-        one = path(h, weights, experts, *(w.replace(values=w.values[0], scales=w.scales[0]) for w in q), jax.nn.silu)
+        one = path(h, weights, experts, *(w.replace(values=w.values[0], scales=None if w.scales is None else w.scales[0])
+                                          for w in q), jax.nn.silu)
         for got in (stacked, one):
             np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5, rtol=1e-5)
 

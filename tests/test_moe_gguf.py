@@ -32,7 +32,7 @@ from safetensors.numpy import load_file
 from jpaged import weights
 from jpaged.device.attention import get_backend
 from jpaged.device.model import sequence_logits
-from test_families_gguf import _permute, tokenizer_fields  # noqa: F401  (a fixture)
+from test_families_gguf import _permute, finish_gguf, tokenizer_fields  # noqa: F401  (a fixture)
 from test_moe import MOE_FAMILIES, PROMPTS, build_moe
 
 GGUF_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
@@ -96,13 +96,7 @@ def write_moe_gguf(path, directory, hf_config, tokenizer_fields):
         gguf_name = names.get_name(merged)
         assert gguf_name is not None, merged
         w.add_tensor(f"{gguf_name}.weight", np.stack([by_expert[e] for e in sorted(by_expert)]))
-    for key, (value, vtype, sub_type) in tokenizer_fields.items():
-        w.add_key_value(key, value, vtype, sub_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path, tokenizer_fields)
 
 
 @pytest.fixture(scope="module")

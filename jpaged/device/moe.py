@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jpaged.device.params import from_storage
-from jpaged.device.quant import QuantizedWeight, dequantize, dequantize_rows
+from jpaged.device.quant import QuantizedWeight, dequantize, quantized_matmul, quantized_matmuls
 
 
 def route(h, router, *, top_k: int, renormalize: bool):
@@ -69,14 +69,28 @@ def _slice(a, index):
 
 def _expert(w, layer, e):
     """Expert `e`'s weight of one projection, f[in, out]: `w` f[L, E, in, out] (a layer stack, read at
-    `layer`) or f[E, in, out] (one layer's); bfloat16 bits become bfloat16; int8 (a `QuantizedWeight` of
-    `jpaged.device.quant.quantize_params`, rows [.., out, in] with their scales) is dequantized, that expert's
-    rows alone."""
-    if isinstance(w, QuantizedWeight):
-        index = (layer, e) if w.values.ndim == 4 else (e,)
-        rows = dequantize_rows(_slice(w.values, index), _slice(w.scales, index))
-        return rows.astype(w.dtype).T
+    `layer`) or f[E, in, out] (one layer's); bfloat16 bits become bfloat16."""
     return from_storage(_slice(w, (layer, e) if w.ndim == 4 else (e,)))
+
+
+def _expert_rows(w: QuantizedWeight, layer, e) -> QuantizedWeight:
+    """Expert `e` of `w`, int8 or float rows [(L,) E, out, in] (`jpaged.device.quant.quantize_params`,
+    `float_row_params`), as one layer of a stack of [L * E] weights (`of_layer`): the native kernels read it
+    in place, without copying it out of the stack."""
+    num = w.values.shape[-3]
+    values = w.values.reshape(-1, *w.values.shape[-2:])
+    scales = None if w.scales is None else w.scales.reshape(-1, *w.scales.shape[-2:])
+    index = e if w.values.ndim == 3 else layer * num + e
+    return w.replace(values=values, scales=scales).of_layer(jnp.asarray(index, jnp.int32))
+
+
+def _project(x, gate, up, down, activation, layer, e):
+    """Expert `e` on the rows x f[T, hidden]: down(activation(x gate) * (x up)), f32[T, hidden]."""
+    if isinstance(gate, QuantizedWeight):  # int8 or float rows: the native kernels on few rows, in place
+        g, u = quantized_matmuls(x, [_expert_rows(gate, layer, e), _expert_rows(up, layer, e)])
+        return quantized_matmul(activation(g) * u, _expert_rows(down, layer, e))
+    hidden = activation(_dot("th,hi->ti", x, _expert(gate, layer, e))) * _dot("th,hi->ti", x, _expert(up, layer, e))
+    return _dot("ti,ih->th", hidden, _expert(down, layer, e))
 
 
 def _sorted_pairs(weights, experts, num_local, first_expert):
@@ -101,8 +115,8 @@ def tile_rows(num_pairs: int, num_experts: int) -> int:
 def tiled_experts(h, weights, experts, gate, up, down, activation, *, layer=None, first_expert=0):
     """sum_j weights[t, j] * expert_{experts[t, j]}(h[t]) for each token t, over the experts this device
     holds: `gate`, `up` f[(L,) E_local, hidden, I] and `down` f[(L,) E_local, I, hidden] (a layer stack read
-    at `layer`, or one layer's) are experts [first_expert, first_expert + E_local). Pairs routed elsewhere
-    add nothing. Returns f32[N, hidden].
+    at `layer`, or one layer's; or int8 / float rows, `QuantizedWeight`s of rows [(L,) E_local, out, in]) are
+    experts [first_expert, first_expert + E_local). Pairs routed elsewhere add nothing. Returns f32[N, hidden].
 
     The pairs are sorted by expert and cut into tiles of `tile_rows` rows, each within one expert (a
     group's last tile padded); a scan runs the tiles that hold pairs, each reading its expert's three
@@ -124,9 +138,7 @@ def tiled_experts(h, weights, experts, gate, up, down, activation, *, layer=None
         valid = index < group_start[e] + sizes[e]
         index = jnp.minimum(index, num_pairs - 1)
         tokens = order[index] // k
-        x = h[tokens]
-        hidden = activation(_dot("th,hi->ti", x, _expert(gate, layer, e))) * _dot("th,hi->ti", x, _expert(up, layer, e))
-        out = _dot("ti,ih->th", hidden, _expert(down, layer, e))
+        out = _project(h[tokens], gate, up, down, activation, layer, e)
         w = jnp.where(valid, pair_weights[index], 0.0)
         return y.at[tokens].add(jnp.where(valid[:, None], out * w[:, None], 0.0))
 
@@ -142,7 +154,9 @@ def grouped_experts(h, weights, experts, gate, up, down, activation, *, layer=No
     matmul where the backend has one: GPUs, TPUs), then weighted and scattered back onto the tokens."""
     def whole(w):  # this layer's experts f[E, in, out]
         if isinstance(w, QuantizedWeight):
-            return dequantize(w.replace(values=w.values[layer], scales=w.scales[layer]) if w.values.ndim == 4 else w)
+            if w.values.ndim == 4:
+                w = w.replace(values=w.values[layer], scales=None if w.scales is None else w.scales[layer])
+            return dequantize(w)
         return from_storage(w[layer] if w.ndim == 4 else w)
 
     gate, up, down = (whole(w) for w in (gate, up, down))

@@ -270,14 +270,23 @@ def float_rows(w, logical_shape: tuple, in_axes: tuple) -> QuantizedWeight:
 
 
 def float_row_params(params):
-    """`params` (a `LlamaParams`) with every bfloat16 and float32 dense weight (`IN_AXES`) as float rows
-    (`float_rows`), for the native few-row product on one CPU (what the engine runs there). The same `params`
+    """`params` (a `LlamaParams`) with every bfloat16 and float32 dense weight (`IN_AXES`) and expert
+    (`EXPERT_IN_AXES`) as float rows (`float_rows`), for the native few-row product on one CPU (what the engine runs there). The same `params`
     where the native library is absent. Norms and biases stay as they are (`to_storage` makes bits of them),
     so do leaves of other dtypes (float16 weights stay XLA's). Tied embeddings get `lm_head = embed.T`, the
     same arrays viewed as [hidden, vocab]."""
     if _float_rows_target() is None:
         return params
-    return _map_dense(params, lambda w, shape, in_axes: float_rows(w, shape, in_axes) if w.dtype in ROW_DTYPES else w)
+    params = _map_dense(params, lambda w, shape, in_axes: float_rows(w, shape, in_axes) if w.dtype in ROW_DTYPES else w)
+    return params.replace(layers=params.layers.replace(**_experts_as(params.layers, float_rows)))
+
+
+def _experts_as(layers, convert) -> dict:
+    """The experts' leaves of stacked `layers` converted, `convert(w, logical_shape, in_axes)` (`quantize`,
+    `float_rows`), each expert one weight: rows [L, E, out, in]; absent and converted leaves left out."""
+    return {name: convert(w, w.shape[2:], in_axes) for name, in_axes in EXPERT_IN_AXES.items()
+            for w in (getattr(layers, name),)
+            if w is not None and not isinstance(w, QuantizedWeight) and (convert is quantize or w.dtype in ROW_DTYPES)}
 
 
 def _map_dense(params, convert):
@@ -500,9 +509,7 @@ def quantize_params(params, quantization: str = "int8", dtype=jnp.float32):
     if quantization is None:
         return params
     compute = "bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32"
-    params = _map_dense(params, quantize)
-    experts = {name: quantize(w, w.shape[2:], in_axes) for name, in_axes in EXPERT_IN_AXES.items()
-               for w in (getattr(params.layers, name),) if w is not None and not isinstance(w, QuantizedWeight)}
-    params = params.replace(layers=params.layers.replace(**experts))  # one scale per output channel of each expert
+    params = _map_dense(params, quantize)  # and each expert, one scale per output channel of it:
+    params = params.replace(layers=params.layers.replace(**_experts_as(params.layers, quantize)))
     return jax.tree.map(lambda w: w.replace(compute_dtype=compute) if isinstance(w, QuantizedWeight) and not w.is_float
                         else w, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))

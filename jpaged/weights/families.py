@@ -4,13 +4,16 @@ one decoder (`jpaged.device.model`) runs every family from its `ModelConfig`.
 
 A family is a `Family`: the `ModelConfig` fields it fixes (norm offset, sandwich norms, q/k norms,
 biases), whether its embeddings are scaled, its tensor names where they differ from Llama's, and
-the fused tensors it splits (Phi-3). Everything a config spells the same way in every family
-(shapes, RoPE and its scaling, sliding windows and layer types, soft-caps, the attention scalar,
-the activation) is read once, by `model_config`. Adding a family is adding an entry to `FAMILIES`.
+the fused tensors it splits (Phi-3), and for a mixture of experts its `Experts` (the config fields
+that count and size them, its routing rule, a shared expert, the experts' tensor names). Everything a
+config spells the same way in every family (shapes, RoPE and its scaling, sliding windows and layer
+types, soft-caps, the attention scalar, the activation, `num_experts_per_tok`, `mlp_only_layers`) is
+read once, by `model_config`. Adding a family is adding an entry to `FAMILIES`.
 
 What jpaged does not implement is refused before anything loads, naming the config field
-(`unsupported_fields`): a mixture of experts, a vision tower, an unknown RoPE type, partial RoPE,
-biases on the output or MLP projections, bidirectional attention.
+(`unsupported_fields`, `REFUSED`): experts in a family it runs dense, multi-head latent attention, a
+vision tower, an unknown RoPE type, partial RoPE, biases on the output or MLP projections,
+bidirectional attention; `ModelConfig` itself refuses dense layers among sparse ones.
 
 GGUF files (llama.cpp's) are declared alike, per GGUF `general.architecture`: `GGUF_ARCHS` maps each
 onto its HF family with what llama.cpp's converter does to its tensors (q/k permutation, Gemma's +1
@@ -25,7 +28,7 @@ import math
 from typing import Any, Mapping
 
 from jpaged.device.config import ROPE_TYPES, ModelConfig, RopeScaling
-from jpaged.device.params import param_shapes
+from jpaged.device.params import EXPERT_LEAVES, param_shapes
 
 # LayerParams leaf -> tensor name inside one HF layer (`model.layers.{i}.<name>.weight` / `.bias`), Llama's
 HF_LAYER_NAMES = {
@@ -67,7 +70,6 @@ class Experts:
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
 
-EXPERT_PROJECTIONS = ("experts_gate", "experts_up", "experts_down")  # the LayerParams leaves, in that order
 SHARED_EXPERT_NAMES = {"shared_w_gate": "mlp.shared_expert.gate_proj", "shared_w_up": "mlp.shared_expert.up_proj",
                        "shared_w_down": "mlp.shared_expert.down_proj", "shared_expert_gate": "mlp.shared_expert_gate"}
 FUSED_EXPERTS = {"mlp.experts.gate_up_proj": ("experts_gate", "experts_up"), "mlp.experts.down_proj": ("experts_down",)}
@@ -315,7 +317,7 @@ def hf_tensor_names(model_type: str, config: ModelConfig) -> tuple[dict[str, str
             for block in {ex.block, "mlp"}:  # the router keeps its name in transformers 5's fused layout
                 names[f"{layer}.{block}.gate.weight"] = f"layers.{i}.router"
             for e in range(config.num_experts):
-                for leaf, proj in zip(EXPERT_PROJECTIONS, ex.projections):
+                for leaf, proj in zip(EXPERT_LEAVES, ex.projections):
                     names[f"{layer}.{ex.block}.experts.{e}.{proj}.weight"] = f"layers.{i}.{leaf}.{e}"
             for name, leaves in FUSED_EXPERTS.items():
                 fused[f"{layer}.{name}"] = (tuple(f"layers.{i}.{leaf}" for leaf in leaves), None)

@@ -3,8 +3,11 @@ checkpoint directories (`load_gguf`, `load_hf_dir`; `jpaged.weights.load_model` 
 
 Both formats are first read into one intermediate form, a dict of numpy arrays keyed by
 `embed`, `final_norm`, `lm_head` and `layers.{i}.{leaf}` (leaf names of `LayerParams`), each in
-torch's `nn.Linear` layout `[out, in]` with q/k rows in HF's rotate-half RoPE order. One function,
-`_to_params`, checks every shape against the config and converts to the layout of `params.py`.
+torch's `nn.Linear` layout `[out, in]` with q/k rows in HF's rotate-half RoPE order; a mixture of
+experts' expert leaves are stacks `[E, out, in]` (GGUF's `ffn_*_exps` and transformers 5's fused
+tensors as they are; HF's one tensor per expert, `layers.{i}.{leaf}.{e}`, stacked by `_stack_experts`).
+One function, `_to_params`, checks every shape against the config and converts to the layout of
+`params.py`.
 
 GGUF specifics (llama.cpp's `convert_hf_to_gguf.py` and `llama-model.cpp`; HF's GGUF integration):
   - every architecture of `families.GGUF_ARCHS` (llama incl. Mistral, qwen2, qwen3, phi3, gemma2,
