@@ -20,7 +20,7 @@ bandwidth.
 llama.cpp: `bash bench/peers/build_llama_cpp.sh` first (the sources inside the llama-cpp-python sdist); the
 MoE's F32 GGUF is written by that build's own `convert_hf_to_gguf.py`. `--no-llama-cpp` skips it.
 
-    python bench/moe.py [--quick] [--rounds 2] [--streams 1,32]
+    python bench/moe.py [--quick] [--rounds 3] [--streams 1,32] [--out bench/results/<cpu>]
 """
 
 from __future__ import annotations
@@ -114,20 +114,23 @@ def jpaged_rounds(directories: dict, prompts, max_tokens: int, streams, rounds: 
 
 
 def llama_cpp_rounds(gguf: Path, llama_cpp: Path, prompts, max_tokens: int, streams, rounds: int) -> dict:
-    """llama-server's worker (bench/peers/llama_cpp_peer.py) on the MoE's GGUF: N slots per stream count N."""
-    spec = dict(prompts=[""] * len(prompts), prompt_token_ids=prompts, num_requests=list(streams),
-                max_tokens=max_tokens, threads=os.cpu_count(), llama_cpp_dir=str(llama_cpp), gguf=str(gguf),
-                width="float32", slot_counts=list(streams), repeats=rounds)
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        subprocess.run([sys.executable, str(ROOT / "bench" / "peers" / "llama_cpp_peer.py"), str(spec_path),
-                        str(out_path)], check=True)
-        result = json.loads(out_path.read_text())
-    by_streams = {n: [r["tokens_per_s"] for r in result["runs"] if r["slots"] == n and r["num_requests"] == n]
-                  for n in streams}
-    return {"tokens_per_s": by_streams, "build_info": result.get("build_info"),
-            "tokens": {n: next(r.get("output_token_ids") for r in result["runs"] if r["slots"] == n) for n in streams}}
+    """llama-server's worker (bench/peers/llama_cpp_peer.py) on the MoE's GGUF: N slots and N requests per stream
+    count N, `rounds` times."""
+    runs, result = [], {}
+    for n in streams:
+        spec = dict(prompts=[""] * n, prompt_token_ids=prompts[:n], num_requests=[n], max_tokens=max_tokens,
+                    threads=os.cpu_count(), llama_cpp_dir=str(llama_cpp), gguf=str(gguf), width="float32",
+                    slot_counts=[n], repeats=rounds)
+        with tempfile.TemporaryDirectory() as tmp:
+            spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+            spec_path.write_text(json.dumps(spec))
+            subprocess.run([sys.executable, str(ROOT / "bench" / "peers" / "llama_cpp_peer.py"), str(spec_path),
+                            str(out_path)], check=True)
+            result = json.loads(out_path.read_text())
+        runs += result["runs"]
+    return {"tokens_per_s": {n: [r["tokens_per_s"] for r in runs if r["slots"] == n] for n in streams},
+            "build_info": result.get("build_info"),
+            "tokens": {n: next(r.get("output_token_ids") for r in runs if r["slots"] == n) for n in streams}}
 
 
 def main(argv=None) -> dict:
@@ -185,14 +188,7 @@ def main(argv=None) -> dict:
     }
     if "llama_cpp" in median:
         out["moe_over_llama_cpp"] = {n: median["jpaged"]["moe"][n] / median["llama_cpp"][n] for n in streams}
-    return report(out, args.out / _cpu_folder(out["machine"]), "moe_quick" if args.quick else "moe", start, plot,
-                  print_table)
-
-
-def _cpu_folder(machine: dict) -> str:
-    cpu = machine["cpu"]
-    name = (cpu["model_name"] or "cpu").lower().replace(" ", "_")
-    return f"{name}_family{cpu['family']}_model{cpu['model']}" + ("" if any("avx512" in f for f in cpu["isa"]) else "_avx2")
+    return report(out, args.out, "moe_quick" if args.quick else "moe", start, plot, print_table)
 
 
 def print_table(out: dict) -> None:

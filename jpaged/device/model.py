@@ -137,7 +137,7 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
     `num_layers` (static): only the first layers (self-drafting's early exit; their K/V alone written).
     `experts` (static): how a sharded step splits the sparse layers' experts (`jpaged.device.moe`).
     `return_routing` (static, a mixture of experts): also the experts each token was routed to, i32[L, N, k]
-    (a third result), to observe the routing (`sequence_routing`).
+    (a third result; `num_experts` for the step's padding tokens), to observe the routing (`sequence_routing`).
     """
     c = config
     norm = lambda x, w: rms_norm(x, w, c.rms_norm_eps, c.norm_offset)  # noqa: E731
@@ -147,6 +147,7 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
         x = x * jnp.asarray(c.embedding_scale, x.dtype)
     cos, sin, layer_rope = rope_tables(c, inputs)
     windows = np.asarray([FULL_WINDOW if w is None else w for w in c.windows], np.int32)
+    real = _row_lengths(inputs) > 0 if c.is_moe else None  # the step's real tokens: padding reads no expert
 
     def layer(carry, layer_inputs):
         x, pool = carry
@@ -174,7 +175,7 @@ def forward(params: LlamaParams, cache: KVCache, inputs: ModelInputs, *, config:
         h = norm(x, p.mlp_norm)
         routed = None
         if c.is_moe:
-            out, routed = sparse_mlp(h, p, c, activation, experts, layer_id)
+            out, routed = sparse_mlp(h, p, c, activation, experts, layer_id, token_mask=real)
         else:
             gate, up = _matmuls("th,hi->ti", h, (p.w_gate, p.w_up))
             out = _matmul("ti,ih->th", activation(gate) * up, p.w_down)

@@ -224,12 +224,16 @@ class ExpertSharding:
             h, weights, experts, gate, up, down, layer)
 
 
-def sparse_mlp(h, p, config, activation, sharding: Optional[ExpertSharding] = None, layer=None):
+def sparse_mlp(h, p, config, activation, sharding: Optional[ExpertSharding] = None, layer=None, token_mask=None):
     """A sparse layer's MLP on tokens h f32[N, hidden] with layer parameters `p` (`LayerParams`; its expert
     leaves one layer's, or the whole layer stacks to be read at `layer`): the routed experts' weighted
     sum, plus the shared expert where the family has one. Returns (f32[N, hidden], the experts each token was
-    routed to, i32[N, k])."""
+    routed to, i32[N, k]). `token_mask` bool[N]: the step's real tokens; a padding token is routed to no expert
+    (its experts are `num_experts`, out of range: no pair, no tile, no weight read for it; its output is the
+    shared expert's alone)."""
     weights, experts = route(h, p.router, top_k=config.num_experts_per_tok, renormalize=config.norm_topk_prob)
+    if token_mask is not None:
+        experts = jnp.where(token_mask[:, None], experts, config.num_experts)
     gate, up, down = p.experts_gate, p.experts_up, p.experts_down
     if sharding is None or not sharding.axes:
         out = _experts(h, weights, experts, gate, up, down, activation, layer, 0)
