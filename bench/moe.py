@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -134,8 +136,6 @@ def llama_cpp_rounds(gguf: Path, llama_cpp: Path, prompts, max_tokens: int, stre
 
 
 def main(argv=None) -> dict:
-    import numpy as np
-
     parser = bench_parser(__doc__.splitlines()[0], "2 streams counts of few tokens, one round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", default="1,32")
@@ -226,8 +226,6 @@ def plot(out: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-import numpy as np  # noqa: E402  (the plot's; after the docstring-driven parser)
 
 if __name__ == "__main__":
     main()
