@@ -74,6 +74,24 @@ def _llama3_factors(rope: dict, head_dim: int) -> np.ndarray:
     return np.asarray(factors, np.float32)
 
 
+def start_gguf(path, arch: str, hp: dict):
+    """A GGUF writer of architecture `arch` with the shape keys every converter writes (`TextModel.
+    set_gguf_parameters`) from HF config dict `hp`; returns it and (layers, hidden, heads, KV heads, head_dim)."""
+    n_layers, hidden, heads = hp["num_hidden_layers"], hp["hidden_size"], hp["num_attention_heads"]
+    kv_heads = hp.get("num_key_value_heads") or heads
+    head_dim = hp.get("head_dim") or hidden // heads
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"tiny {hp['model_type']}")
+    w.add_block_count(n_layers)
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    return w, (n_layers, hidden, heads, kv_heads, head_dim)
+
+
 def write_gguf(path, directory, hf_config, tokenizer_fields, extra_keys=True):
     """`directory`'s model (config.json + model.safetensors) as llama.cpp's converter writes it, plus the
     given tokenizer fields. `extra_keys`: also the keys llama.cpp's converter does not write for this
@@ -82,18 +100,7 @@ def write_gguf(path, directory, hf_config, tokenizer_fields, extra_keys=True):
     model_type, arch = hp["model_type"], GGUF_ARCH[hp["model_type"]]
     rope_all = hp.get("rope_parameters") or {}
     rope = rope_all.get("full_attention", rope_all)
-    n_layers, hidden, heads = hp["num_hidden_layers"], hp["hidden_size"], hp["num_attention_heads"]
-    kv_heads = hp.get("num_key_value_heads") or heads
-    head_dim = hp.get("head_dim") or hidden // heads
-    w = gguf.GGUFWriter(path, arch)
-    w.add_name(f"tiny {model_type}")
-    w.add_block_count(n_layers)
-    w.add_context_length(hp["max_position_embeddings"])
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(hp["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    w, (n_layers, hidden, heads, kv_heads, head_dim) = start_gguf(path, arch, hp)
     if arch not in ("phi3", "gemma2"):  # TextModel.set_gguf_parameters: RoPE base and scaling
         w.add_rope_freq_base(rope["rope_theta"])
         rope_type = rope.get("rope_type")

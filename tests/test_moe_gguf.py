@@ -32,7 +32,7 @@ from safetensors.numpy import load_file
 from jpaged import weights
 from jpaged.device.attention import get_backend
 from jpaged.device.model import sequence_logits
-from test_families_gguf import _permute, finish_gguf, tokenizer_fields  # noqa: F401  (a fixture)
+from test_families_gguf import _permute, finish_gguf, start_gguf, tokenizer_fields  # noqa: F401  (a fixture)
 from test_moe import MOE_FAMILIES, PROMPTS, build_moe
 
 GGUF_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
@@ -46,19 +46,8 @@ def write_moe_gguf(path, directory, hf_config, tokenizer_fields):
     hp = hf_config.to_dict()
     model_type = hp["model_type"]
     arch = GGUF_ARCH[model_type]
-    n_layers, hidden, heads = hp["num_hidden_layers"], hp["hidden_size"], hp["num_attention_heads"]
-    kv_heads = hp["num_key_value_heads"]
-    head_dim = hp.get("head_dim") or hidden // heads
-    w = gguf.GGUFWriter(path, arch)
-    w.add_name(f"tiny {model_type}")
-    w.add_block_count(n_layers)
-    w.add_context_length(hp["max_position_embeddings"])
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(hp["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
+    w, (n_layers, hidden, heads, kv_heads, head_dim) = start_gguf(path, arch, hp)
     w.add_rope_freq_base((hp.get("rope_parameters") or {}).get("rope_theta", hp.get("rope_theta", 10000.0)))
-    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
     w.add_expert_count(hp.get("num_experts") or hp.get("num_local_experts"))
     w.add_expert_used_count(hp["num_experts_per_tok"])
     if hp.get("head_dim") is not None and arch != "llama":
